@@ -2,21 +2,21 @@
 
 Algorithm (``k`` = ``micro_batches``, ``B`` = rows of this batch)::
 
-    m = max(ceil(B / k), 1)          # rows per micro-batch
-    n = ceil(B / m)                  # micro-batches that hold real rows (<= k)
-    for i in range(n):               # a tf.while_loop, one iteration at a time
-        rows  = i*m + [0, ..., m-1]
-        valid = rows < B             # the last micro-batch may be short:
-        take  = min(rows, B - 1)     # ... pad it by repeating the last row
-        objective, aux = micro_step(batch[take], valid)
+    m = max(ceil(B / k), 1)           # rows per micro-batch
+    n = ceil(B / m)                   # micro-batches (<= k), the last may be short
+    for i in range(n - 1):            # a tf.while_loop, one iteration at a time
+        objective, aux = micro_step(batch[i*m : i*m + m])
         grads += d objective / d variables   (float32)
         sums  += aux
+    objective, aux = micro_step(batch[(n-1)*m : B])   # the last, B - (n-1)*m rows
+    grads += ...; sums += aux
 
-Every micro-batch has the same static shape ``[m, ...]``, so the loop body
-traces once and also compiles under XLA. Padded rows are real data (a repeat
-of the last row, so no NaN from made-up zeros) and ``micro_step`` gives them
-zero weight through ``valid``. Only one micro-batch's activations are alive at
-a time (``parallel_iterations=1``); the batch itself is never copied whole.
+Every loop iteration has the same static shape ``[m, ...]``; the last
+micro-batch is peeled off after the loop, so its (possibly smaller) size is
+static too once the batch shape is known. That is what lets XLA compile the
+step, and it means no padding rows: metrics and BatchNorm only ever see real
+examples. Only one micro-batch's activations are alive at a time
+(``parallel_iterations=1``).
 
 Trap: normalizing inside ``micro_step`` by the micro-batch's own weight (a
 mean of micro-batch means) is wrong whenever micro-batches carry different
@@ -39,8 +39,10 @@ def batch_size(batch) -> tf.Tensor:
     return tf.shape(leaves[0])[0]
 
 
-def _take(batch, indices):
-    return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, indices), batch)
+def _rows(batch, start, size=None):
+    """``batch[start:start+size]`` (or ``batch[start:]``) for every tensor."""
+    stop = None if size is None else start + size
+    return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], batch)
 
 
 def broadcast_weights(weights: tf.Tensor, losses: tf.Tensor) -> tf.Tensor:
@@ -81,9 +83,8 @@ def accumulate_gradients(
     """Sums ``micro_step``'s gradients and auxiliary values over micro-batches.
 
     Args:
-        micro_step: ``(batch_i, valid_i) -> (objective, aux)``; ``objective``
-            is differentiated, ``aux`` is a tuple of float32 scalars to sum.
-            ``valid_i`` is a ``[m]`` bool mask of the real rows.
+        micro_step: ``batch_i -> (objective, aux)``; ``objective`` is
+            differentiated, ``aux`` is a tuple of float32 scalars to sum.
         variables: What to differentiate with respect to.
         batch: A nest of tensors sharing the leading (batch) dimension.
         micro_batches: ``k >= 1``.
@@ -91,27 +92,25 @@ def accumulate_gradients(
 
     Returns:
         ``(grads, aux)``: float32 gradient sums (zeros where unconnected) and
-        the summed ``aux``. With no rows at all both are zeros.
+        the summed ``aux``.
     """
     variables = list(variables)
 
-    def differentiate(batch_i, valid):
+    def differentiate(batch_i):
         with tf.GradientTape() as tape:
-            objective, aux = micro_step(batch_i, valid)
+            objective, aux = micro_step(batch_i)
         grads = tape.gradient(objective, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads], tuple(aux)
 
-    rows = batch_size(batch)
-    if micro_batches == 1:  # no loop, no gather: exactly the plain step
-        return differentiate(batch, tf.ones([rows], tf.bool))
+    if micro_batches == 1:  # no loop, no slicing: exactly the plain step
+        return differentiate(batch)
 
+    rows = batch_size(batch)
     per_micro = tf.maximum((rows + micro_batches - 1) // micro_batches, 1)
     num_micro = (rows + per_micro - 1) // per_micro
 
     def body(i, grads, aux):
-        row_ids = i * per_micro + tf.range(per_micro)
-        batch_i = _take(batch, tf.minimum(row_ids, rows - 1))
-        grads_i, aux_i = differentiate(batch_i, row_ids < rows)
+        grads_i, aux_i = differentiate(_rows(batch, i * per_micro, per_micro))
         return (
             i + 1,
             [g + gi for g, gi in zip(grads, grads_i)],
@@ -121,9 +120,10 @@ def accumulate_gradients(
     zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
     aux0 = tuple(tf.zeros([], tf.float32) for _ in range(num_aux))
     _, grads, aux = tf.while_loop(
-        lambda i, *_: i < num_micro,
+        lambda i, *_: i < num_micro - 1,
         body,
         (tf.constant(0), zeros, aux0),
         parallel_iterations=1,  # one micro-batch's activations alive at a time
     )
+    _, grads, aux = body(tf.maximum(num_micro - 1, 0), grads, aux)  # the last, maybe short
     return grads, aux

@@ -240,12 +240,11 @@ class TrainStep:
         return {k: self.strategy.experimental_local_results(v)[0] for k, v in logs.items()}
 
     def _micro_step(self, local_rows):
-        def micro_step(batch, valid):
+        def micro_step(batch):
             x, y, sample_weight = batch
             y_pred = self.model(x, training=True)
             self._reject_call_losses()
-            losses = self._loss_fn(y, _to_float32(y_pred))
-            losses = tf.convert_to_tensor(losses)
+            losses = tf.convert_to_tensor(self._loss_fn(y, _to_float32(y_pred)))
             if losses.shape.rank == 0:
                 raise ValueError(
                     "The loss returned a scalar, i.e. it is already reduced over the batch; effgrad "
@@ -253,16 +252,12 @@ class TrainStep:
                     "whole batch. Pass a keras.losses.Loss instance or a function like "
                     "`lambda y, p: keras.losses.mean_squared_error(y, p)`."
                 )
-            valid = tf.cast(valid, tf.float32)
-            weights = accumulate.broadcast_weights(valid, losses)
-            row_weights = valid  # what metrics see: padded rows weigh 0
+            weights = tf.ones_like(losses, tf.float32)
             if sample_weight is not None:
-                sample_weight = tf.cast(sample_weight, tf.float32)
-                weights *= accumulate.broadcast_weights(sample_weight, losses)
-                row_weights = accumulate.broadcast_weights(valid, sample_weight) * sample_weight
+                weights = accumulate.broadcast_weights(sample_weight, losses)
             weighted_sum = tf.reduce_sum(weights * tf.cast(losses, tf.float32))
             if self.on_micro_batch is not None:
-                self.on_micro_batch(x, y, y_pred, row_weights)
+                self.on_micro_batch(x, y, y_pred, sample_weight)
             objective = self.loss_scale.scale(weighted_sum / local_rows)
             return objective, (weighted_sum, tf.reduce_sum(weights))
 
@@ -460,7 +455,8 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     def make_train_function(force=False):
         if model.train_function is not None and not force:
             return model.train_function
-        compiled = original_make_train_function(force=True)
+        original_make_train_function(force=True)  # sets model.train_function
+        compiled = model.train_function
 
         def train_function(iterator):
             logs = compiled(iterator)

@@ -1,0 +1,35 @@
+"""Test set-up: quiet TensorFlow, CPU allocator stats, two logical CPUs."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Two logical CPU devices let MirroredStrategy tests run on one machine; this
+# must happen before TensorFlow initializes its devices.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def assert_variables_close(a, b, atol=1e-6, rtol=1e-5):
+    assert len(a) == len(b)
+    for va, vb in zip(a, b):
+        np.testing.assert_allclose(np.asarray(va), np.asarray(vb), atol=atol, rtol=rtol, err_msg=getattr(va, "path", ""))

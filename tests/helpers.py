@@ -1,0 +1,43 @@
+"""Reference computations the tests compare effgrad against."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def mlp(seed=0, inputs=5, hidden=7, outputs=3, regularizer=None, dtype=None):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="tanh", kernel_regularizer=regularizer, dtype=dtype),
+            keras.layers.Dense(outputs, dtype=dtype),
+        ]
+    )
+
+
+def sequence_model(seed=0, features=4, vocab=6):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((None, features)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(vocab)])
+
+
+def plain_step(model, per_example_loss, optimizer, x, y, sample_weight=None, clip_norm=None):
+    """One full-batch GradientTape update of L = sum(w*l)/sum(w) + regularization."""
+    with tf.GradientTape() as tape:
+        losses = per_example_loss(y, tf.cast(model(x, training=True), tf.float32))
+        w = tf.ones_like(losses) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        while w.shape.rank < losses.shape.rank:
+            w = w[..., None]
+        w = tf.broadcast_to(w, tf.shape(losses))
+        loss = tf.reduce_sum(w * losses) / tf.reduce_sum(w)
+        if model.losses:
+            loss += tf.add_n(model.losses)
+    grads = tape.gradient(loss, model.trainable_variables)
+    if clip_norm is not None:
+        grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+    optimizer.apply(grads, model.trainable_variables)
+    return float(loss)
+
+
+def numpy_vars(variables):
+    return [np.array(v.numpy()) for v in variables]

@@ -1,0 +1,100 @@
+"""Accumulated micro-batch updates equal the plain full-batch update."""
+
+import effgrad
+import keras
+import numpy as np
+import pytest
+from conftest import assert_variables_close
+from helpers import mlp, plain_step, sequence_model
+
+
+def _data(rng, batch, zeros=(0,)):
+    x = rng.normal(size=(batch, 5)).astype("float32")
+    y = rng.normal(size=(batch, 3)).astype("float32")
+    w = rng.uniform(0.1, 2.0, size=batch).astype("float32")
+    w[[z for z in zeros if z < batch - 1]] = 0.0  # some zero weights, never all of them
+    return x, y, w
+
+
+def _compare(rng, micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularizer=None):
+    x, y, w = _data(rng, batch, zeros=(0, 3))
+    reference, model = mlp(regularizer=regularizer), mlp(regularizer=regularizer)
+    ref_opt, opt = optimizer(learning_rate=0.1), optimizer(learning_rate=0.1)
+    expected = plain_step(reference, keras.losses.mean_squared_error, ref_opt, x, y, w)
+    step = effgrad.build_train_step(
+        model, keras.losses.MeanSquaredError(), opt, micro_batches=micro_batches, jit_compile=jit_compile
+    )
+    logs = step(x, y, sample_weight=w)
+    np.testing.assert_allclose(float(logs["loss"]), expected, rtol=1e-5)
+    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+    assert_variables_close(opt.variables, ref_opt.variables)
+    return step
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("batch", [1, 4, 13, 16])
+def test_accumulated_update_equals_full_batch(rng, micro_batches, batch):
+    _compare(rng, micro_batches, batch)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3, 8])
+def test_accumulated_update_equals_full_batch_under_xla(rng, micro_batches):
+    _compare(rng, micro_batches, 13, jit_compile=True)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_adam_slots_equal_full_batch(rng, jit_compile):
+    _compare(rng, 5, 13, jit_compile=jit_compile, optimizer=keras.optimizers.Adam)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_kernel_regularizer_counted_once(rng, micro_batches):
+    _compare(rng, micro_batches, 11, regularizer=keras.regularizers.L2(0.05))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("mask_shape", ["per_token", "per_example"])
+def test_masked_sequence_loss_normalized_over_all_tokens(rng, jit_compile, mask_shape):
+    batch, steps = 7, 5
+    x = rng.normal(size=(batch, steps, 4)).astype("float32")
+    y = rng.integers(0, 6, size=(batch, steps))
+    if mask_shape == "per_token":
+        w = (rng.uniform(size=(batch, steps)) > 0.3).astype("float32")  # padding mask
+    else:
+        w = rng.uniform(0.0, 1.0, size=batch).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference, model = sequence_model(), sequence_model()
+    expected = plain_step(reference, loss.call, keras.optimizers.SGD(0.5), x, y, w)
+    step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.5), micro_batches=3, jit_compile=jit_compile)
+    np.testing.assert_allclose(float(step(x, y, w)["loss"]), expected, rtol=1e-5)
+    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+
+
+def test_callable_loss_and_nested_inputs(rng):
+    inp_a, inp_b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    keras.utils.set_random_seed(1)
+    out = keras.layers.Dense(2)(keras.layers.Concatenate()([inp_a, inp_b]))
+    make = lambda: keras.Model({"a": inp_a, "b": inp_b}, out)  # noqa: E731
+    reference = make()
+    model = keras.models.clone_model(reference)
+    model.set_weights(reference.get_weights())
+    x = {"a": rng.normal(size=(9, 3)).astype("float32"), "b": rng.normal(size=(9, 2)).astype("float32")}
+    y = rng.normal(size=(9, 2)).astype("float32")
+
+    def loss(y_true, y_pred):
+        return keras.ops.sum(keras.ops.abs(y_true - y_pred), axis=-1)
+
+    plain_step(reference, loss, keras.optimizers.SGD(0.1), x, y)
+    effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.1), micro_batches=4)(x, y)
+    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_zero_total_weight_changes_nothing(rng, micro_batches):
+    x, y, _ = _data(rng, 6)
+    model, opt = mlp(), keras.optimizers.Adam(0.1)
+    step = effgrad.build_train_step(model, "mse", opt, micro_batches=micro_batches)
+    before = [v.numpy().copy() for v in model.trainable_variables + opt.variables]
+    logs = step(x, y, np.zeros(6, "float32"))
+    assert np.isfinite(float(logs["loss"]))
+    assert_variables_close(model.trainable_variables + opt.variables, before, atol=0, rtol=0)

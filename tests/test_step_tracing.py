@@ -1,0 +1,36 @@
+"""The compiled step traces once per input signature, never per batch size."""
+
+import effgrad
+import keras
+import numpy as np
+import pytest
+from helpers import mlp
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_new_batch_size_does_not_retrace(rng, micro_batches):
+    step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.01), micro_batches=micro_batches)
+    for batch in [16, 7, 1, 33, 16]:
+        x = rng.normal(size=(batch, 5)).astype("float32")
+        y = rng.normal(size=(batch, 3)).astype("float32")
+        step(x, y)
+    assert step.trace_count == 1
+
+
+def test_sample_weight_or_dtype_change_is_a_new_signature(rng):
+    step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.01), micro_batches=2)
+    x, y = rng.normal(size=(8, 5)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    step(x, y)
+    step(x[:3], y[:3], np.ones(3, "float32"))  # new signature: weights given
+    step(x[:5], y[:5], np.ones(5, "float32"))  # same as the previous one
+    step(x.astype("float64"), y)  # new signature: float64 inputs
+    assert step.trace_count == 3
+
+
+def test_attributes(rng):
+    step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.01), micro_batches=3)
+    assert step.micro_batches == 3
+    assert isinstance(step.loss_scale, effgrad.NoLossScale)
+    logs = step(rng.normal(size=(4, 5)).astype("float32"), rng.normal(size=(4, 3)).astype("float32"))
+    assert set(logs) >= {"loss", "loss_scale", "grads_finite"}
+    assert float(logs["loss_scale"]) == 1.0 and bool(logs["grads_finite"])
