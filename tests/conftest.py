@@ -32,4 +32,6 @@ def rng():
 def assert_variables_close(a, b, atol=1e-6, rtol=1e-5):
     assert len(a) == len(b)
     for va, vb in zip(a, b):
-        np.testing.assert_allclose(np.asarray(va), np.asarray(vb), atol=atol, rtol=rtol, err_msg=getattr(va, "path", ""))
+        np.testing.assert_allclose(
+            np.asarray(va), np.asarray(vb), atol=atol, rtol=rtol, err_msg=getattr(va, "path", "")
+        )

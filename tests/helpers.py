@@ -18,7 +18,9 @@ def mlp(seed=0, inputs=5, hidden=7, outputs=3, regularizer=None, dtype=None):
 
 def sequence_model(seed=0, features=4, vocab=6):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((None, features)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(vocab)])
+    return keras.Sequential(
+        [keras.Input((None, features)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(vocab)]
+    )
 
 
 def plain_step(model, per_example_loss, optimizer, x, y, sample_weight=None, clip_norm=None):

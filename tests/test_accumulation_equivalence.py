@@ -1,9 +1,10 @@
 """Accumulated micro-batch updates equal the plain full-batch update."""
 
-import effgrad
 import keras
 import numpy as np
 import pytest
+
+import effgrad
 from conftest import assert_variables_close
 from helpers import mlp, plain_step, sequence_model
 

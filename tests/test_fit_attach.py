@@ -1,9 +1,10 @@
 """effgrad.attach makes model.fit train with the effgrad step."""
 
-import effgrad
 import keras
 import numpy as np
 import pytest
+
+import effgrad
 from conftest import assert_variables_close
 from helpers import mlp
 

@@ -1,7 +1,8 @@
 """effgrad.memory.measure sees what a call allocates."""
 
-import effgrad
 import tensorflow as tf
+
+import effgrad
 
 
 def _allocate(n_floats):

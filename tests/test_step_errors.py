@@ -1,9 +1,10 @@
 """Bad input is rejected with a message that names the fix, before any update."""
 
-import effgrad
 import keras
 import numpy as np
 import pytest
+
+import effgrad
 from helpers import mlp
 
 

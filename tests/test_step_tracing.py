@@ -1,9 +1,10 @@
 """The compiled step traces once per input signature, never per batch size."""
 
-import effgrad
 import keras
 import numpy as np
 import pytest
+
+import effgrad
 from helpers import mlp
 
 

@@ -13,12 +13,14 @@ if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from effgrad import memory  # noqa: E402
+from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential  # noqa: E402
 from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale  # noqa: E402
 from effgrad.step import TrainStep, attach, build_train_step  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "DynamicLossScale",
     "LossScale",
     "NoLossScale",
@@ -26,5 +28,7 @@ __all__ = [
     "TrainStep",
     "attach",
     "build_train_step",
+    "checkpoint",
+    "checkpoint_sequential",
     "memory",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -140,9 +140,7 @@ class TrainStep:
         on_micro_batch: Callable | None = None,
     ):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, (int, np.integer)) or micro_batches < 1:
-            raise ValueError(
-                f"micro_batches must be a positive int (1 = no accumulation), got {micro_batches!r}."
-            )
+            raise ValueError(f"micro_batches must be a positive int (1 = no accumulation), got {micro_batches!r}.")
         if clip_norm is not None and (isinstance(clip_norm, bool) or not clip_norm > 0):
             raise ValueError(f"clip_norm must be a number > 0 or None, got {clip_norm!r}.")
         if not isinstance(optimizer, keras.optimizers.Optimizer):

@@ -1,0 +1,1 @@
+"""effgrad benchmarks: `python -m benchmarks run [--quick] [SUITE ...]`."""

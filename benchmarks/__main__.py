@@ -1,0 +1,43 @@
+"""`python -m benchmarks run [--quick] [SUITE ...]`: run suites, write benchmarks/results/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+SUITES = ["accumulation", "loss_scaling"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run benchmark suites")
+    run.add_argument(
+        "suites",
+        nargs="*",
+        choices=[[]] + SUITES,
+        default=[],
+        metavar="SUITE",
+        help=f"any of {', '.join(SUITES)} (default: all)",
+    )
+    run.add_argument("--quick", action="store_true", help="small sizes: minutes, for CI and smoke tests")
+    args = parser.parse_args(argv)
+    from benchmarks import common
+
+    tables = []
+    for name in args.suites or SUITES:
+        print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
+        table = (common.RESULTS / f"{name}.md").read_text()
+        print(table, flush=True)
+        tables.append(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Loss scaling: step-time overhead and mixed_float16 memory.
+
+* time: effgrad with no scaling vs dynamic scaling vs Keras 3's
+  ``LossScaleOptimizer`` (stock ``model.train_on_batch``) on the same model;
+* memory: peak step bytes of a ``mixed_float16`` model against float32.
+"""
+
+from __future__ import annotations
+
+from benchmarks import common
+
+MODULE = "benchmarks.loss_scaling"
+
+
+def child(config: dict) -> dict:
+    import keras
+    import numpy as np
+
+    import effgrad
+
+    keras.config.set_dtype_policy(config["policy"])
+    keras.utils.set_random_seed(0)
+    width, batch = config["width"], config["batch"]
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(config["depth"])]
+        + [keras.layers.Dense(10)]
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, width)).astype("float32")
+    y = rng.integers(0, 10, size=batch)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if config["kind"] == "keras_loss_scale_optimizer":
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-4))
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+
+        def step():
+            return model.train_on_batch(x, y)
+    else:
+        train = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-4), loss_scale=config["loss_scale"])
+
+        def step():
+            return train(x, y)["loss"]
+
+    step()
+    report = effgrad.memory.measure(step)
+    seconds = common.median_time(step, warmup=1, repeats=config["repeats"])
+    return {"step_mib": report.extra_mib, "seconds": seconds}
+
+
+def run(quick: bool = False) -> dict:
+    base = (
+        {"depth": 3, "width": 256, "batch": 128, "repeats": 3}
+        if quick
+        else {"depth": 8, "width": 1024, "batch": 512, "repeats": 5}
+    )
+    configs = [
+        ("effgrad, no scaling", {"kind": "effgrad", "loss_scale": None, "policy": "float32"}),
+        ("effgrad, dynamic scaling", {"kind": "effgrad", "loss_scale": "dynamic", "policy": "float32"}),
+        ("Keras LossScaleOptimizer", {"kind": "keras_loss_scale_optimizer", "loss_scale": None, "policy": "float32"}),
+        ("effgrad, mixed_float16 (auto)", {"kind": "effgrad", "loss_scale": "auto", "policy": "mixed_float16"}),
+    ]
+    rows = []
+    for label, config in configs:
+        rows.append({"method": label, **common.run_isolated(MODULE, {**base, **config})})
+    plain = rows[0]
+    for row in rows:
+        row["time_ratio"] = row["seconds"] / plain["seconds"]
+        row["memory_ratio"] = row["step_mib"] / plain["step_mib"]
+    env = common.environment()
+    title = (
+        f"Loss scaling: {base['depth']}x{base['width']} MLP, batch {base['batch']}, Adam "
+        "(ratios vs effgrad without scaling, float32)"
+    )
+    table = common.markdown_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("seconds", "s / step", ".4f"),
+            ("time_ratio", "time ratio", ".2f"),
+            ("step_mib", "step MiB", ".1f"),
+            ("memory_ratio", "memory ratio", ".2f"),
+        ],
+    )
+    payload = {
+        "title": title,
+        "config": base,
+        "environment": env,
+        "environment_line": common.environment_line(env),
+        "rows": rows,
+    }
+    common.write_results("loss_scaling", payload, table)
+    return payload
+
+
+if __name__ == "__main__":
+    common.child_main(child)
