@@ -14,6 +14,7 @@ if "tensorflow" not in _sys.modules:
 
 from effgrad import memory  # noqa: E402
 from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential  # noqa: E402
+from effgrad.explain import saliency, saliency_summary  # noqa: E402
 from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale  # noqa: E402
 from effgrad.step import TrainStep, attach, build_train_step  # noqa: E402
 
@@ -31,4 +32,6 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "memory",
+    "saliency",
+    "saliency_summary",
 ]

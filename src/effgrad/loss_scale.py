@@ -10,7 +10,7 @@ Every class here has the same four members, so the train step never asks
 "is there a loss scale?":
 
 * ``scale(loss)``: ``loss * S`` in the loss's dtype.
-* ``unscale(grads)``: ``grads / S`` (float32).
+* ``unscale(grads, multiplier=1)``: ``grads * multiplier / S`` (float32).
 * ``update(grads_finite)``: advance the state after one step.
 * ``value``: the current ``S`` as a float32 tensor (read-only).
 
@@ -61,10 +61,10 @@ class LossScale(tf.Module):
         """Returns ``loss * value`` in ``loss.dtype``."""
         return loss * tf.cast(self.value, loss.dtype)
 
-    def unscale(self, grads):
-        """Returns the float32 gradients divided by ``value`` (``None`` kept)."""
-        inv = 1.0 / self.value
-        return [None if g is None else tf.cast(g, tf.float32) * inv for g in grads]
+    def unscale(self, grads, multiplier=1.0):
+        """Returns float32 ``grads * multiplier / value`` (``None`` kept), in one pass."""
+        factor = tf.cast(multiplier, tf.float32) / self.value
+        return [None if g is None else tf.cast(g, tf.float32) * factor for g in grads]
 
     def update(self, grads_finite) -> tf.Operation | None:
         """Advances the state after a step; ``grads_finite`` is a bool scalar."""
@@ -87,8 +87,11 @@ class NoLossScale(LossScale):
     def scale(self, loss):
         return loss
 
-    def unscale(self, grads):
-        return [None if g is None else tf.cast(g, tf.float32) for g in grads]
+    def unscale(self, grads, multiplier=1.0):
+        if isinstance(multiplier, (int, float)) and multiplier == 1.0:
+            return [None if g is None else tf.cast(g, tf.float32) for g in grads]
+        multiplier = tf.cast(multiplier, tf.float32)
+        return [None if g is None else tf.cast(g, tf.float32) * multiplier for g in grads]
 
     def __repr__(self) -> str:
         return "NoLossScale()"

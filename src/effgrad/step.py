@@ -277,7 +277,7 @@ class TrainStep:
         grads, (weighted_sum, weight_sum) = accumulate.accumulate_gradients(
             self._micro_step(local_rows), variables, (x, y, sample_weight), self.micro_batches, num_aux=2
         )
-        grads = [g * local_rows for g in self.loss_scale.unscale(grads)]
+        grads = self.loss_scale.unscale(grads, multiplier=local_rows)  # one pass over the gradients
 
         regularized = _regularized(variables)
         reg_loss, reg_grads = tf.zeros([], tf.float32), {}
@@ -295,7 +295,9 @@ class TrainStep:
         grads, weighted_sum, weight_sum, reg_loss, reg_grads = self._compute(x, y, sample_weight)
 
         grads, weighted_sum, weight_sum = ctx.all_reduce(tf.distribute.ReduceOp.SUM, (grads, weighted_sum, weight_sum))
-        grads = [tf.math.divide_no_nan(g, weight_sum) + reg_grads.get(i, 0.0) for i, g in enumerate(grads)]
+        grads = [tf.math.divide_no_nan(g, weight_sum) for g in grads]
+        for i, reg_grad in reg_grads.items():
+            grads[i] += reg_grad
         loss = tf.math.divide_no_nan(weighted_sum, weight_sum) + reg_loss
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
         if self.clip_norm is not None:

@@ -1,0 +1,107 @@
+"""Where maps go: host arrays, preallocated buffers, resumable ``.npy`` files.
+
+A sink receives each batch's maps in order (``write``) and is told when rows
+are safe to count as done (``commit``). The ``.npy`` file sink keeps a small
+JSON journal next to the file, rewritten atomically *after* the rows it names
+were flushed, so a run killed at any point (SIGKILL included) resumes from
+the last committed row and produces the same file as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from numpy.lib import format as npy_format
+
+__all__ = ["ArraySink", "NpyFileSink", "journal_path"]
+
+
+def journal_path(path: Path) -> Path:
+    return path.with_name(path.name + ".journal.json")
+
+
+class ArraySink:
+    """Writes rows into an in-memory array or a caller's buffer/memmap."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.committed = 0
+
+    def write(self, start: int, maps, targets=None) -> None:
+        rows = maps.numpy() if hasattr(maps, "numpy") else np.asarray(maps)  # device -> host
+        self.array[start : start + len(rows)] = rows
+
+    def commit(self, rows: int) -> None:
+        if isinstance(self.array, np.memmap):
+            self.array.flush()
+        self.committed = rows
+
+    def finish(self, rows: int) -> None:
+        self.commit(rows)
+
+
+class NpyFileSink(ArraySink):
+    """A standard ``.npy`` file (``np.load`` reads it) plus a resume journal."""
+
+    def __init__(self, path: Path, array: np.memmap, config: dict, committed: int):
+        super().__init__(array)
+        self.path, self.config, self.committed = path, config, committed
+
+    @classmethod
+    def open(cls, path, shape: tuple, dtype, config: dict, resume: bool) -> NpyFileSink:
+        """Creates the file, or reopens it to resume. Raises before touching anything."""
+        path = Path(path)
+        journal = journal_path(path)
+        if path.exists() or journal.exists():
+            if not resume:
+                raise FileExistsError(
+                    f"{path} already exists; effgrad never overwrites it. Pass resume=True to continue an "
+                    "interrupted run into it, or remove it (and its .journal.json) to start over."
+                )
+            if not journal.exists():
+                raise ValueError(
+                    f"Cannot resume into {path}: it has no effgrad journal ({journal.name}), so it was not "
+                    "written by an interrupted effgrad run. Remove it or choose another path."
+                )
+            state = json.loads(journal.read_text())
+            if state["config"] != config:
+                changed = sorted(
+                    k for k in set(config) | set(state["config"]) if config.get(k) != state["config"].get(k)
+                )
+                raise ValueError(
+                    f"Cannot resume into {path}: it was started with a different configuration "
+                    f"({', '.join(changed)} differ). Use the original settings, or remove the file to start over."
+                )
+            if path.exists():
+                array = np.load(path, mmap_mode="r+")
+                return cls(path, array, config, int(state["committed"]))
+            # Killed between writing the journal and creating the file.
+        elif resume:
+            pass  # nothing to resume: start a new file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sink = cls(path, None, config, 0)
+        sink._write_journal(0)  # first: a file without journal is never ours
+        sink.array = npy_format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=tuple(shape))
+        return sink
+
+    def _write_journal(self, rows: int, complete: bool = False) -> None:
+        journal = journal_path(self.path)
+        tmp = journal.with_name(journal.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"config": self.config, "committed": rows, "complete": complete}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, journal)  # atomic: the journal is always whole
+
+    def commit(self, rows: int) -> None:
+        self.array.flush()  # rows reach the file before the journal names them
+        self._write_journal(rows)
+        self.committed = rows
+
+    def finish(self, rows: int) -> None:
+        self.array.flush()
+        self._write_journal(rows, complete=True)
+        self.committed = rows

@@ -1,0 +1,202 @@
+"""tf.distribute: the step equals the single-device update; one reduction; agreed skips."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+from helpers import mlp, plain_step, sequence_model
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+def _replica_values(variable, strategy):
+    return [t.numpy() for t in strategy.experimental_local_results(variable.value)]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_mirrored_step_equals_single_device_full_batch(strategy, rng, micro_batches):
+    x = rng.normal(size=(11, 5)).astype("float32")  # 6 rows on one replica, 5 on the other
+    y = rng.normal(size=(11, 3)).astype("float32")
+    w = np.concatenate([rng.uniform(0, 0.2, 6), rng.uniform(1, 3, 5)]).astype("float32")  # uneven per replica
+    reference = mlp()
+    plain_step(reference, keras.losses.mean_squared_error, keras.optimizers.Adam(0.1), x, y, w)
+    with strategy.scope():
+        model, opt = mlp(), keras.optimizers.Adam(0.1)
+    step = effgrad.build_train_step(model, "mse", opt, micro_batches=micro_batches, strategy=strategy)
+    step(x, y, w)
+    for variable, expected in zip(model.trainable_variables, reference.trainable_variables):
+        for value in _replica_values(variable, strategy):
+            np.testing.assert_allclose(value, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_per_token_mask_and_distributed_dataset(strategy, rng):
+    x = rng.normal(size=(8, 5, 4)).astype("float32")
+    y = rng.integers(0, 6, size=(8, 5))
+    mask = (rng.uniform(size=(8, 5)) > 0.4).astype("float32")
+    mask[:4] *= 0.0  # the first replica's rows are almost all padding
+    mask[0, 0] = 1.0
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = sequence_model()
+    plain_step(reference, loss.call, keras.optimizers.SGD(0.5), x, y, mask)
+    with strategy.scope():
+        model = sequence_model()
+        opt = keras.optimizers.SGD(0.5)
+    step = effgrad.build_train_step(model, loss, opt, micro_batches=3, strategy=strategy)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y, mask)).batch(8))
+    step(*next(iter(dataset)))
+    for variable, expected in zip(model.trainable_variables, reference.trainable_variables):
+        for value in _replica_values(variable, strategy):
+            np.testing.assert_allclose(value, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_inf_on_one_replica_skips_the_step_everywhere(strategy, rng):
+    with strategy.scope():
+        model, opt = mlp(), keras.optimizers.Adam(0.1)
+    ls = None
+    step = effgrad.build_train_step(model, "mse", opt, micro_batches=2, loss_scale="dynamic", strategy=strategy)
+    ls = step.loss_scale
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    x[6, 1] = np.inf  # a row of replica 1 only
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    logs = step(x, y)
+    assert not bool(logs["grads_finite"])
+    for variable, old in zip(model.trainable_variables, before):
+        for value in _replica_values(variable, strategy):
+            np.testing.assert_array_equal(value, old)
+    assert int(opt.iterations.numpy()) == 0
+    assert float(ls.value) == 2.0**14
+
+
+def test_clipping_acts_on_the_reduced_gradient(strategy):
+    """Replica gradients [10, 0] and [0, 10]: clip the mean [5, 5], not each one."""
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        opt = keras.optimizers.SGD(1.0)
+    step = effgrad.build_train_step(model, lambda y, p: p[:, 0], opt, clip_norm=1.0, strategy=strategy)
+    x = np.array([[10.0, 0.0], [0.0, 10.0]], "float32")  # one row per replica
+    step(x, np.zeros((2, 1), "float32"))
+    # L = (10 w0 + 10 w1) / 2 -> grad [5, 5], norm 7.07 -> clipped [0.707, 0.707]
+    expected = -np.full((2, 1), np.sqrt(0.5), "float32")
+    for value in _replica_values(model.trainable_variables[0], strategy):
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_one_cross_replica_reduction_per_step(strategy, rng, monkeypatch, micro_batches):
+    calls = []
+    original = tf.distribute.ReplicaContext.all_reduce
+
+    def counting(self, reduce_op, value, options=None):
+        calls.append(len(tf.nest.flatten(value)))
+        return original(self, reduce_op, value, options)
+
+    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counting)
+    with strategy.scope():
+        model, opt = mlp(), keras.optimizers.Adam(0.1)
+    step = effgrad.build_train_step(model, "mse", opt, micro_batches=micro_batches, strategy=strategy)
+    step(rng.normal(size=(16, 5)).astype("float32"), rng.normal(size=(16, 3)).astype("float32"))
+    # Traced once per replica: one all_reduce call each, carrying every
+    # gradient plus the two loss sums in one batch.
+    assert calls == [len(model.trainable_variables) + 2] * strategy.num_replicas_in_sync
+
+
+def test_distributed_saliency_equals_single_device(strategy, rng):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 2)),
+                keras.layers.Conv2D(3, 3, activation="tanh"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(4),
+            ]
+        )
+    x = rng.normal(size=(21, 6, 6, 2)).astype("float32")
+    for method, options in [("gradient", {}), ("smoothgrad", {"samples": 3})]:
+        single = effgrad.saliency(model, x, method=method, batch_size=8, progress=False, **options)
+        sharded = effgrad.saliency(model, x, method=method, batch_size=8, strategy=strategy, progress=False, **options)
+        np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6, err_msg=method)
+
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np, tensorflow as tf, keras, effgrad
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 5)).astype("float32")
+    y = rng.normal(size=(12, 3)).astype("float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.Adam(0.1)
+    step = effgrad.build_train_step(model, "mse", optimizer, micro_batches=3, strategy=strategy)
+    for _ in range(2):
+        step(x, y)  # the same global batch on every worker; each takes its replica's rows
+    json.dump([v.numpy().tolist() for v in model.trainable_variables], open(sys.argv[1], "w"))
+    """
+)
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_multi_worker_mirrored_strategy_on_loopback(tmp_path, rng):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    procs = []
+    for index in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="3")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path / f"w{index}.json")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    data = np.random.default_rng(0)
+    x = data.normal(size=(12, 5)).astype("float32")
+    y = data.normal(size=(12, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)])
+    opt = keras.optimizers.Adam(0.1)
+    for _ in range(2):
+        plain_step(reference, keras.losses.mean_squared_error, opt, x, y)
+    for a, b in zip(results[0], results[1]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))  # identical on both workers
+    assert_variables_close([np.array(v) for v in results[0]], reference.trainable_variables, atol=1e-5)

@@ -1,0 +1,177 @@
+"""Saliency methods equal their definitions; reductions equal NumPy."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+
+
+def _cnn(seed=0, classes=4):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 3, activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(classes),
+        ]
+    )
+
+
+def _reference_gradients(model, x, target=None):
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = model(x)
+        idx = tf.argmax(out, axis=-1) if target is None else tf.constant(np.broadcast_to(target, [len(x)]))
+        score = tf.gather(out, idx, batch_dims=1)
+    return tape.gradient(score, x).numpy()
+
+
+@pytest.fixture
+def data(rng):
+    return rng.uniform(-1, 1, size=(13, 6, 6, 3)).astype("float32")
+
+
+def test_gradient_equals_tape_reference(data):
+    model = _cnn()
+    np.testing.assert_allclose(
+        effgrad.saliency(model, data, batch_size=4, progress=False),
+        _reference_gradients(model, data),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    np.testing.assert_allclose(
+        effgrad.saliency(model, data, target=2, batch_size=5, progress=False),
+        _reference_gradients(model, data, 2),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    per_example = np.arange(13) % 4
+    np.testing.assert_allclose(
+        effgrad.saliency(model, data, target=per_example, batch_size=6, progress=False),
+        _reference_gradients(model, data, per_example),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    by_callable = effgrad.saliency(model, data, target=lambda out: out[:, 1] - out[:, 0], progress=False)
+    expected = _reference_gradients(model, data, 1) - _reference_gradients(model, data, 0)
+    np.testing.assert_allclose(by_callable, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_x_input_equals_reference(data):
+    model = _cnn()
+    maps = effgrad.saliency(model, data, method="gradient_x_input", batch_size=4, progress=False)
+    np.testing.assert_allclose(maps, data * _reference_gradients(model, data), rtol=1e-5, atol=1e-7)
+
+
+def test_single_output_unit_is_its_own_target(rng):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, activation="sigmoid")])
+    x = rng.normal(size=(7, 5)).astype("float32")
+    maps = effgrad.saliency(model, x, progress=False)
+    np.testing.assert_allclose(maps, _reference_gradients(model, x, 0), rtol=1e-5)
+
+
+def test_smoothgrad_zero_noise_is_gradient_and_seeded_noise_reproduces(data):
+    model = _cnn()
+    plain = effgrad.saliency(model, data, progress=False)
+    zero = effgrad.saliency(model, data, method="smoothgrad", noise=0.0, samples=3, progress=False)
+    np.testing.assert_allclose(zero, plain, rtol=1e-5, atol=1e-7)
+    a = effgrad.saliency(model, data, method="smoothgrad", samples=4, seed=7, batch_size=4, progress=False)
+    b = effgrad.saliency(model, data, method="smoothgrad", samples=4, seed=7, batch_size=13, progress=False)
+    c = effgrad.saliency(model, data, method="smoothgrad", samples=4, seed=8, batch_size=4, progress=False)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # noise depends on the row, not the batching
+    assert not np.allclose(a, c)
+    assert not np.allclose(a, plain)
+
+
+def test_smoothgrad_averages_noisy_gradients(rng):
+    """SmoothGrad of a quadratic is the gradient at x plus zero-mean noise: check the mean."""
+    keras.utils.set_random_seed(0)
+    x = rng.uniform(0, 1, size=(1, 8)).astype("float32")
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Lambda(lambda t: tf.reduce_sum(t * t, -1, keepdims=True))]
+    )
+    maps = effgrad.saliency(model, x, method="smoothgrad", samples=400, noise=0.1, progress=False)
+    np.testing.assert_allclose(maps, 2 * x, atol=0.05)  # d sum(x^2)/dx = 2x; noise averages out
+
+
+def test_integrated_gradients_completeness(rng):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    x = rng.normal(size=(9, 10)).astype("float32")
+    baseline = np.full((10,), 0.1, "float32")
+    maps = effgrad.saliency(model, x, method="integrated_gradients", steps=64, baseline=baseline, progress=False)
+    out, out_base = model(x).numpy(), model(np.broadcast_to(baseline, x.shape)).numpy()
+    idx = out.argmax(-1)
+    expected = out[np.arange(9), idx] - out_base[np.arange(9), idx]
+    np.testing.assert_allclose(maps.reshape(9, -1).sum(-1), expected, rtol=0.01, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "reduce, numpy_fn",
+    [
+        ("abs", np.abs),
+        ("abs_max", lambda m: np.abs(m).max(-1)),
+        ("abs_sum", lambda m: np.abs(m).sum(-1)),
+        ("l2", lambda m: np.sqrt((m**2).sum(-1))),
+        ("sum", lambda m: m.sum(-1)),
+    ],
+)
+def test_reductions_equal_numpy(data, reduce, numpy_fn):
+    model = _cnn()
+    full = effgrad.saliency(model, data, progress=False)
+    reduced = effgrad.saliency(model, data, reduce=reduce, progress=False)
+    np.testing.assert_allclose(reduced, numpy_fn(full), rtol=1e-5, atol=1e-7)
+
+
+def test_float16_output(data):
+    model = _cnn()
+    maps = effgrad.saliency(model, data, dtype="float16", reduce="abs_sum", progress=False)
+    assert maps.dtype == np.float16
+    np.testing.assert_allclose(
+        maps, effgrad.saliency(model, data, reduce="abs_sum", progress=False), rtol=2e-3, atol=1e-4
+    )
+
+
+def test_short_last_batch_does_not_retrace(data):
+    from effgrad.explain import engine
+
+    job, *_ = engine._plan(_cnn(), data, method="smoothgrad", samples=2, reduce="l2")
+    for n in (5, 5, 3, 1):
+        job.maps(tf.constant(data[:n]), tf.zeros([n], tf.int32), tf.constant(0, tf.int64))
+    assert job.trace_count == 1
+
+
+def test_summary_equals_numpy_per_class(data):
+    model = _cnn()
+    maps = effgrad.saliency(model, data, reduce="abs_sum", progress=False)
+    classes = model(data).numpy().argmax(-1)
+    summary = effgrad.saliency_summary(model, data, reduce="abs_sum", batch_size=4, progress=False)
+    assert sorted(summary.count) == sorted(set(classes.tolist()))
+    for c in summary.count:
+        rows = maps[classes == c]
+        assert summary.count[c] == len(rows)
+        np.testing.assert_allclose(summary.mean[c], rows.mean(0), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(summary.variance[c], rows.var(0), rtol=1e-3, atol=1e-7)
+    overall = effgrad.saliency_summary(model, data, by_class=False, reduce="abs_sum", progress=False)
+    np.testing.assert_allclose(overall.mean["all"], maps.mean(0), rtol=1e-4, atol=1e-6)
+    assert overall.count["all"] == len(data)
+
+
+def test_visualizations(tmp_path, data):
+    from effgrad.explain import visualize
+
+    maps = effgrad.saliency(_cnn(), data, progress=False)
+    gray = visualize.grayscale(maps[0])
+    assert gray.shape == (6, 6) and gray.min() >= 0 and gray.max() == 1
+    spike = np.zeros((6, 6), "float32")
+    spike[0, 0], spike[1:, 1:] = 1000.0, 1.0
+    assert visualize.grayscale(spike, percentile=95).mean() > 0.5  # the outlier does not black out the rest
+    div = visualize.diverging(maps[0])
+    assert div.min() >= -1 and div.max() <= 1
+    png = visualize.save_grid(tmp_path / "grid.png", data[:6], maps[:6], titles=list(range(6)), columns=3)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

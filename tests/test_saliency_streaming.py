@@ -1,0 +1,251 @@
+"""Streaming saliency: every input kind and sink agree; resume; bounded memory; bad input; CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+@pytest.fixture
+def x(rng):
+    return rng.uniform(0, 1, size=(50, 8, 8, 1)).astype("float32")
+
+
+def test_every_input_kind_and_sink_gives_the_same_maps(tmp_path, x):
+    model = _model()
+    expected = effgrad.saliency(model, x, batch_size=16, reduce="abs_sum", progress=False)
+    np.save(tmp_path / "inputs.npy", x)
+    inputs = {
+        "memmap": np.load(tmp_path / "inputs.npy", mmap_mode="r"),
+        "tensor": tf.constant(x),
+        "dataset": tf.data.Dataset.from_tensor_slices((x, np.zeros(50))).batch(16),
+        "list": [x[i : i + 16] for i in range(0, 50, 16)],
+        "generator": (x[i : i + 7] for i in range(0, 50, 7)),
+    }
+    for name, source in inputs.items():
+        n = 50 if name in ("dataset", "generator") else None
+        got = effgrad.saliency(model, source, batch_size=16, reduce="abs_sum", num_examples=n, progress=False)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+    buffer = np.full((50, 8, 8), np.nan, "float32")
+    assert effgrad.saliency(model, x, batch_size=16, reduce="abs_sum", out=buffer, progress=False) is buffer
+    np.testing.assert_array_equal(buffer, expected)
+    on_disk = effgrad.saliency(model, x, batch_size=16, reduce="abs_sum", out=tmp_path / "maps.npy", progress=False)
+    assert isinstance(on_disk, np.memmap)
+    np.testing.assert_array_equal(np.load(tmp_path / "maps.npy"), expected)
+
+
+def test_resume_after_an_exception_skips_committed_rows(tmp_path, x):
+    model = _model()
+    expected = effgrad.saliency(model, x, batch_size=8, progress=False)
+    path = tmp_path / "maps.npy"
+
+    def failing():
+        for i in range(0, 50, 8):
+            if i == 24:
+                raise RuntimeError("the data loader died")
+            yield x[i : i + 8]
+
+    with pytest.raises(RuntimeError, match="data loader died"):
+        effgrad.saliency(model, failing(), batch_size=8, num_examples=50, out=path, progress=False)
+    journal = json.loads((tmp_path / "maps.npy.journal.json").read_text())
+    assert journal["committed"] == 24 and not journal["complete"]
+    with pytest.raises(FileExistsError, match="resume=True"):
+        effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
+    poisoned = x.copy()
+    poisoned[:24] = np.nan  # were committed rows recomputed, NaN would show in the file
+    effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(np.load(path), expected)
+    assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["complete"]
+
+
+def test_resume_refuses_a_different_configuration(tmp_path, x):
+    model = _model()
+    path = tmp_path / "maps.npy"
+    effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
+    before = path.read_bytes()
+    for change in ({"method": "smoothgrad"}, {"batch_size": 16}, {"target": 1}):
+        with pytest.raises(ValueError, match="different configuration"):
+            effgrad.saliency(model, x, out=path, resume=True, progress=False, **{"batch_size": 8, **change})
+    assert path.read_bytes() == before
+    (tmp_path / "foreign.npy").write_bytes(before)
+    with pytest.raises(ValueError, match="no effgrad journal"):
+        effgrad.saliency(model, x, batch_size=8, out=tmp_path / "foreign.npy", resume=True, progress=False)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np, keras, effgrad
+    model = keras.models.load_model(sys.argv[1])
+    x = np.load(sys.argv[2], mmap_mode="r")
+    def slow():
+        for i in range(0, len(x), 8):
+            time.sleep(0.05)
+            yield x[i : i + 8]
+    effgrad.saliency(model, slow(), batch_size=8, num_examples=len(x), out=sys.argv[3], progress=False)
+    """
+)
+
+
+def test_sigkilled_run_resumes_to_the_same_file(tmp_path, rng):
+    model = _model()
+    x = rng.uniform(0, 1, size=(400, 8, 8, 1)).astype("float32")
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    expected = effgrad.saliency(model, x, batch_size=8, progress=False)
+    path, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
+    (tmp_path / "child.py").write_text(_CHILD)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    child = subprocess.Popen(
+        [sys.executable, str(tmp_path / "child.py"), str(tmp_path / "m.keras"), str(tmp_path / "x.npy"), str(path)],
+        env=env,
+    )
+    deadline = time.time() + 120
+    committed = 0
+    while time.time() < deadline and child.poll() is None:
+        if journal.exists():
+            committed = json.loads(journal.read_text())["committed"]
+            if committed >= 40:
+                break
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    state = json.loads(journal.read_text())
+    assert 0 < state["committed"] < 400 and not state["complete"], state
+    poisoned = x.copy()
+    poisoned[: state["committed"]] = np.nan
+    effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(np.load(path), expected)
+
+
+_MEMORY_CHILD = textwrap.dedent(
+    """
+    import os, sys, json
+    import numpy as np, keras, effgrad
+    n = int(sys.argv[1])
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    x = np.lib.format.open_memmap(sys.argv[2], mode="w+", dtype="float32", shape=(n, 32, 32, 3))
+    x[:] = 0.5
+    effgrad.saliency(model, x[:64], batch_size=64, progress=False)  # trace outside the measurement
+    report = effgrad.memory.measure(effgrad.saliency, model, x, batch_size=64, out=sys.argv[3], progress=False)
+    print(json.dumps({"peak": report.peak_bytes}))
+    """
+)
+
+
+def test_device_memory_is_flat_in_the_number_of_examples(tmp_path):
+    (tmp_path / "child.py").write_text(_MEMORY_CHILD)
+    peaks = []
+    for n in (512, 4096):
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(tmp_path / "child.py"),
+                str(n),
+                str(tmp_path / f"x{n}.npy"),
+                str(tmp_path / f"m{n}.npy"),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
+    assert peaks[1] <= 1.1 * peaks[0], peaks  # 8x the examples, within 10% of the device memory
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_inputs_fail_before_any_work(tmp_path, x):
+    model = _model()
+    buffer = np.full((50, 8, 8, 1), 7.0, "float32")
+    with pytest.raises(TypeError, match="float inputs"):
+        effgrad.saliency(model, (x * 10).astype("int32"), out=buffer, progress=False)
+    with pytest.raises(ValueError, match="out of range"):
+        effgrad.saliency(model, x, target=3, out=buffer, progress=False)
+    with pytest.raises(ValueError, match="out of range"):
+        effgrad.saliency(model, x, target=np.full(50, -1), out=buffer, progress=False)
+    with pytest.raises(ValueError, match="50 examples"):
+        effgrad.saliency(model, x, target=np.zeros(49, int), out=buffer, progress=False)
+    with pytest.raises(ValueError, match="Unknown saliency method"):
+        effgrad.saliency(model, x, method="deeplift", out=buffer, progress=False)
+    with pytest.raises(ValueError, match="Unknown reduce"):
+        effgrad.saliency(model, x, reduce="mean", out=buffer, progress=False)
+    with pytest.raises(TypeError, match="unknown option"):
+        effgrad.saliency(model, x, method="gradient", samples=3, out=buffer, progress=False)
+    with pytest.raises(ValueError, match="shape"):
+        effgrad.saliency(model, x, reduce="abs_sum", out=buffer, progress=False)  # needs (50, 8, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        effgrad.saliency(model, x, dtype="float16", out=buffer, progress=False)
+    with pytest.raises(ValueError, match="num_examples"):
+        effgrad.saliency(model, (b for b in [x[:10]]), progress=False)
+    with pytest.raises(ValueError, match="num_examples"):
+        effgrad.saliency(model, tf.data.Dataset.from_tensor_slices(x).batch(8), progress=False)
+    assert (buffer == 7.0).all()  # untouched
+    existing = tmp_path / "maps.npy"
+    existing.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        effgrad.saliency(model, x, out=existing, progress=False)
+    assert existing.read_bytes() == b"precious"
+
+
+def test_progress_bar_reports_rate_and_eta(capsys, x):
+    effgrad.saliency(_model(), x, batch_size=10, progress=True)
+    err = capsys.readouterr().err
+    assert "50/50" in err and "examples/s" in err and "ETA" in err
+    effgrad.saliency(_model(), x, batch_size=10, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_end_to_end(tmp_path, x):
+    model = _model()
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    command = [
+        sys.executable,
+        "-m",
+        "effgrad.cli",
+        "saliency",
+        str(tmp_path / "m.keras"),
+        str(tmp_path / "x.npy"),
+        "--out",
+        str(tmp_path / "maps.npy"),
+        "--reduce",
+        "abs_max",
+        "--batch-size",
+        "16",
+        "--no-progress",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrote" in done.stdout
+    expected = effgrad.saliency(model, x, reduce="abs_max", batch_size=16, progress=False)
+    np.testing.assert_allclose(np.load(tmp_path / "maps.npy"), expected, rtol=1e-6)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "never overwrites" in again.stderr
+    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
