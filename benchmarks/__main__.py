@@ -10,7 +10,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-SUITES = ["accumulation", "loss_scaling", "checkpointing"]
+SUITES = ["accumulation", "loss_scaling", "checkpointing", "distributed", "saliency"]
 
 
 def main(argv=None) -> int:
@@ -26,16 +26,26 @@ def main(argv=None) -> int:
         help=f"any of {', '.join(SUITES)} (default: all)",
     )
     run.add_argument("--quick", action="store_true", help="small sizes: minutes, for CI and smoke tests")
+    run.add_argument("--results", help="directory for the result files (default: benchmarks/results)")
     args = parser.parse_args(argv)
-    from benchmarks import common
+    if args.results:  # read by benchmarks.common, here and in every child process
+        os.environ["EFFGRAD_BENCHMARK_RESULTS"] = os.path.abspath(args.results)
+    from benchmarks import common, plots
 
-    tables = []
     for name in args.suites or SUITES:
         print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
         importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
         table = (common.RESULTS / f"{name}.md").read_text()
         print(table, flush=True)
-        tables.append(table)
+    index = common.RESULTS / "README.md"
+    index.write_text(
+        "# Benchmark results\n\n"
+        + "\n".join(
+            (common.RESULTS / f"{name}.md").read_text() for name in SUITES if (common.RESULTS / f"{name}.md").exists()
+        )
+    )
+    for path in plots.plot_all():
+        print(f"wrote {path}")
     return 0
 
 

@@ -98,13 +98,18 @@ def run(quick: bool = False) -> dict:
         ]
     rows = []
     for config in models:
-        plain = None
-        for method in METHODS:
-            row = {**config, "method": method, **common.run_isolated(MODULE, {**config, "method": method})}
-            plain = plain or row
-            row["memory_ratio"] = row["step_mib"] / plain["step_mib"]
-            row["time_ratio"] = row["seconds"] / plain["seconds"]
-            rows.append(row)
+        configs = [{**config, "method": method} for method in METHODS]
+        results = common.run_rounds(MODULE, configs, rounds=1 if quick else 3)
+        plain = results[0]
+        for method_config, result in zip(configs, results):
+            rows.append(
+                {
+                    **method_config,
+                    **result,
+                    "memory_ratio": result["step_mib"] / plain["step_mib"],
+                    "time_ratio": result["seconds"] / plain["seconds"],
+                }
+            )
     env = common.environment()
     title = (
         "Activation checkpointing: allocator peak and time of one forward+backward pass (ratios vs no checkpointing)"

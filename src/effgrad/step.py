@@ -161,7 +161,7 @@ class TrainStep:
         self._calls = 0
         self._warned_collapse = False
         self._ready = False
-        self._signatures: dict = {}
+        self._signatures: set[str] = set()
         self._compute = tf.function(self._compute_gradients, jit_compile=self.jit_compile)
         self._step = tf.function(self._distributed_step)
         if getattr(model, "built", False):
@@ -207,7 +207,8 @@ class TrainStep:
             if key not in self._signatures:
                 # Tracing with a None batch dimension up front means later
                 # batch sizes reuse this graph instead of retracing.
-                self._signatures[key] = self._step.get_concrete_function(*specs)
+                self._step.get_concrete_function(*specs)
+                self._signatures.add(key)
             logs = self._step(x, y, sample_weight)
         self._watch_loss_scale()
         return logs

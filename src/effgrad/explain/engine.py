@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +34,12 @@ import tensorflow as tf
 
 from effgrad.explain import methods as methods_lib
 from effgrad.explain import reductions
-from effgrad.explain.sinks import ArraySink, NpyFileSink
+from effgrad.explain.sinks import ArraySink, NpyFileSink, release_rows
 
 __all__ = ["saliency", "SaliencyJob"]
 
 _COMMIT_EVERY_SECONDS = 0.5
+_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {configuration: SaliencyJob}
 
 
 # ---------------------------------------------------------------- inputs
@@ -78,6 +81,7 @@ def _source(inputs, batch_size: int, num_examples: int | None) -> _Source:
         def batches(skip_rows):
             for start in range(skip_rows, n, batch_size):
                 yield inputs[start : start + batch_size]  # a memmap reads just these rows
+                release_rows(inputs, start)  # the rows before this batch were copied to the device
 
         return _Source(n, tuple(inputs.shape[1:]), tf.as_dtype(inputs.dtype), batches, inputs[:1])
     if isinstance(inputs, tf.data.Dataset):
@@ -338,7 +342,24 @@ def _plan(
     units = _output_units(model, source.sample) if not callable(target) else 0
     target_mode, indices = _check_target(target, units, source.num_examples)
     map_shape = reductions.reduced_shape(source.example_shape, reduce)
-    job = SaliencyJob(model, method, reduce, target_mode, target, dtype, source.example_shape, source.dtype, strategy)
+    # Compiled jobs are kept per model, so a second call (another dataset,
+    # a summary after the maps) reuses the traced function.
+    key = (
+        json.dumps(method.config(), sort_keys=True),
+        reduce,
+        target_mode,
+        int(target) if target_mode == "fixed" else id(target) if target_mode == "callable" else None,
+        np.dtype(dtype).str,
+        source.example_shape,
+        source.dtype.name,
+        id(strategy),
+    )
+    jobs = _JOBS.setdefault(model, {})
+    if key not in jobs:
+        jobs[key] = SaliencyJob(
+            model, method, reduce, target_mode, target, dtype, source.example_shape, source.dtype, strategy
+        )
+    job = jobs[key]
     config = {
         **method.config(),
         "reduce": reduce,

@@ -1,0 +1,62 @@
+"""PNG plots of the benchmark results (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import common
+
+
+def _load(name):
+    path = common.RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def plot_all() -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    acc = _load("accumulation")
+    if acc:
+        batches = sorted({r["batch"] for r in acc["rows"]})
+        fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
+        for ax, batch in zip(axes[0], batches):
+            for method, style in (("effgrad", "o-"), ("keras_gradient_accumulation_steps", "s--")):
+                rows = [r for r in acc["rows"] if r["batch"] == batch and (r["method"] == method or r["k"] == 1)]
+                ax.plot([r["k"] for r in rows], [r["training_mib"] for r in rows], style, label=method)
+            ax.set(xscale="log", xlabel="micro-batches k", ylabel="training MiB", title=f"effective batch {batch}")
+            ax.legend(fontsize=7)
+        written.append(_save(fig, plt, "accumulation_memory.png"))
+    ckpt = _load("checkpointing")
+    if ckpt:
+        models = sorted({r["model"] for r in ckpt["rows"]})
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.6), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            rows = [r for r in ckpt["rows"] if r["model"] == model]
+            for r in rows:
+                ax.scatter(r["time_ratio"], r["memory_ratio"], s=40)
+                ax.annotate(r["method"], (r["time_ratio"], r["memory_ratio"]), fontsize=7)
+            ax.set(xlabel="time vs none", ylabel="activation memory vs none", title=model, ylim=(0, 1.15))
+        written.append(_save(fig, plt, "checkpointing_tradeoff.png"))
+    sal = _load("saliency")
+    if sal:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+        for method in sorted({r["method"] for r in sal["rows"]}):
+            rows = [r for r in sal["rows"] if r["method"] == method]
+            for ax, key in zip(axes, ("examples_per_s", "device_peak_mib", "host_max_rss_mib")):
+                ax.plot([r["n"] for r in rows], [r[key] for r in rows], "o-", label=method)
+                ax.set(xscale="log", xlabel="examples N", ylabel=key)
+        axes[0].legend(fontsize=7)
+        written.append(_save(fig, plt, "saliency_scaling.png"))
+    return written
+
+
+def _save(fig, plt, name):
+    fig.tight_layout()
+    path = common.RESULTS / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
