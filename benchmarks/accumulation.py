@@ -92,35 +92,23 @@ def run(quick: bool = False) -> dict:
                 row["activation_ratio"] = row["activations_mib"] / plain["activations_mib"]
                 row["time_ratio"] = row["seconds"] / plain["seconds"]
                 rows.append(row)
-    env = common.environment()
     title = (
         f"Gradient accumulation: {base['depth']}x{base['width']} MLP, Adam, one effective batch. "
         "training MiB = allocator peak added by the step + resident accumulator variables (Keras); "
         "activations = training MiB minus gradient buffers; ratios vs k=1 of the same batch"
     )
-    table = common.markdown_table(
-        rows,
-        [
-            ("batch", "batch", "d"),
-            ("method", "method", ""),
-            ("k", "k", "d"),
-            ("training_mib", "training MiB", ".0f"),
-            ("memory_ratio", "vs k=1", ".2f"),
-            ("activations_mib", "activations MiB", ".0f"),
-            ("activation_ratio", "vs k=1", ".2f"),
-            ("seconds", "s / effective batch", ".3f"),
-            ("time_ratio", "time vs k=1", ".2f"),
-        ],
-    )
-    payload = {
-        "title": title,
-        "config": base,
-        "environment": env,
-        "environment_line": common.environment_line(env),
-        "rows": rows,
-    }
-    common.write_results("accumulation", payload, table)
-    return payload
+    columns = [
+        ("batch", "batch", "d"),
+        ("method", "method", ""),
+        ("k", "k", "d"),
+        ("training_mib", "training MiB", ".0f"),
+        ("memory_ratio", "vs k=1", ".2f"),
+        ("activations_mib", "activations MiB", ".0f"),
+        ("activation_ratio", "vs k=1", ".2f"),
+        ("seconds", "s / effective batch", ".3f"),
+        ("time_ratio", "time vs k=1", ".2f"),
+    ]
+    return common.publish("accumulation", title, rows, columns, config=base)
 
 
 if __name__ == "__main__":

@@ -110,32 +110,20 @@ def run(quick: bool = False) -> dict:
                     "time_ratio": result["seconds"] / plain["seconds"],
                 }
             )
-    env = common.environment()
     title = (
         "Activation checkpointing: allocator peak and time of one forward+backward pass (ratios vs no checkpointing)"
     )
-    table = common.markdown_table(
-        rows,
-        [
-            ("model", "model", ""),
-            ("depth", "blocks", "d"),
-            ("batch", "batch", "d"),
-            ("method", "method", ""),
-            ("step_mib", "activation MiB", ".1f"),
-            ("memory_ratio", "memory ratio", ".2f"),
-            ("seconds", "s / pass", ".3f"),
-            ("time_ratio", "time ratio", ".2f"),
-        ],
-    )
-    payload = {
-        "title": title,
-        "configs": models,
-        "environment": env,
-        "environment_line": common.environment_line(env),
-        "rows": rows,
-    }
-    common.write_results("checkpointing", payload, table)
-    return payload
+    columns = [
+        ("model", "model", ""),
+        ("depth", "blocks", "d"),
+        ("batch", "batch", "d"),
+        ("method", "method", ""),
+        ("step_mib", "activation MiB", ".1f"),
+        ("memory_ratio", "memory ratio", ".2f"),
+        ("seconds", "s / pass", ".3f"),
+        ("time_ratio", "time ratio", ".2f"),
+    ]
+    return common.publish("checkpointing", title, rows, columns, configs=models)
 
 
 if __name__ == "__main__":

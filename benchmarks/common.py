@@ -112,11 +112,12 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
     return "\n".join(lines)
 
 
-def write_results(name: str, payload: dict, table: str) -> None:
+def publish(name: str, title: str, rows: list[dict], columns: list[tuple[str, str, str]], **config) -> dict:
+    """Writes ``results/NAME.json`` (rows + environment) and ``results/NAME.md`` (the table)."""
+    env = environment()
+    line = f"{env['cpu']}, {env['cores']} cores, TF {env['tensorflow']}, Keras {env['keras']}, {env['date']}"
+    payload = {"title": title, "config": config, "environment": env, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(f"## {payload['title']}\n\n{payload['environment_line']}\n\n{table}\n")
-
-
-def environment_line(env: dict) -> str:
-    return f"{env['cpu']}, {env['cores']} cores, TF {env['tensorflow']}, Keras {env['keras']}, {env['date']}"
+    (RESULTS / f"{name}.md").write_text(f"## {title}\n\n{line}\n\n{markdown_table(rows, columns)}\n")
+    return payload

@@ -67,31 +67,19 @@ def run(quick: bool = False) -> dict:
     for row in rows:
         single = next(r for r in rows if r["devices"] == 1 and r["k"] == row["k"])
         row["time_vs_1_device"] = row["seconds"] / single["seconds"]
-    env = common.environment()
     title = (
         f"Distributed step (MirroredStrategy over logical CPU devices of one machine), 4x512 MLP, "
         f"global batch {base['batch']}: all_reduce calls per replica per step, and step time"
     )
-    table = common.markdown_table(
-        rows,
-        [
-            ("devices", "devices", "d"),
-            ("k", "micro_batches", "d"),
-            ("all_reduce_calls_per_replica", "all_reduce calls / replica / step", ".0f"),
-            ("tensors_per_call", "tensors per call", "d"),
-            ("seconds", "s / step", ".4f"),
-            ("time_vs_1_device", "time vs 1 device", ".2f"),
-        ],
-    )
-    payload = {
-        "title": title,
-        "config": base,
-        "environment": env,
-        "environment_line": common.environment_line(env),
-        "rows": rows,
-    }
-    common.write_results("distributed", payload, table)
-    return payload
+    columns = [
+        ("devices", "devices", "d"),
+        ("k", "micro_batches", "d"),
+        ("all_reduce_calls_per_replica", "all_reduce calls / replica / step", ".0f"),
+        ("tensors_per_call", "tensors per call", "d"),
+        ("seconds", "s / step", ".4f"),
+        ("time_vs_1_device", "time vs 1 device", ".2f"),
+    ]
+    return common.publish("distributed", title, rows, columns, config=base)
 
 
 if __name__ == "__main__":

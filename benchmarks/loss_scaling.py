@@ -66,30 +66,18 @@ def run(quick: bool = False) -> dict:
     for row in rows:
         row["time_ratio"] = row["seconds"] / plain["seconds"]
         row["memory_ratio"] = row["step_mib"] / plain["step_mib"]
-    env = common.environment()
     title = (
         f"Loss scaling: {base['depth']}x{base['width']} MLP, batch {base['batch']}, Adam "
         "(ratios vs effgrad without scaling, float32)"
     )
-    table = common.markdown_table(
-        rows,
-        [
-            ("method", "method", ""),
-            ("seconds", "s / step", ".4f"),
-            ("time_ratio", "time ratio", ".2f"),
-            ("step_mib", "step MiB", ".1f"),
-            ("memory_ratio", "memory ratio", ".2f"),
-        ],
-    )
-    payload = {
-        "title": title,
-        "config": base,
-        "environment": env,
-        "environment_line": common.environment_line(env),
-        "rows": rows,
-    }
-    common.write_results("loss_scaling", payload, table)
-    return payload
+    columns = [
+        ("method", "method", ""),
+        ("seconds", "s / step", ".4f"),
+        ("time_ratio", "time ratio", ".2f"),
+        ("step_mib", "step MiB", ".1f"),
+        ("memory_ratio", "memory ratio", ".2f"),
+    ]
+    return common.publish("loss_scaling", title, rows, columns, config=base)
 
 
 if __name__ == "__main__":

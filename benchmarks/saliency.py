@@ -139,31 +139,19 @@ def run(quick: bool = False) -> dict:
                 row["throughput_vs_naive"] = row["examples_per_s"] / base["examples_per_s"]
                 rows.append(row)
                 Path(data).with_name(f"maps_{n}.npy").unlink(missing_ok=True)
-    env = common.environment()
     title = (
         "Saliency (vanilla gradient) over N 32x32x3 images read from a .npy memmap, small CNN, batch 256: "
         "throughput, device allocator peak and host max RSS, one fresh process per row"
     )
-    table = common.markdown_table(
-        rows,
-        [
-            ("n", "N", ",d"),
-            ("method", "method", ""),
-            ("examples_per_s", "examples/s", ",.0f"),
-            ("throughput_vs_naive", "vs naive", ".2f"),
-            ("device_peak_mib", "device peak MiB", ",.0f"),
-            ("host_max_rss_mib", "host max RSS MiB", ",.0f"),
-        ],
-    )
-    payload = {
-        "title": title,
-        "sizes": sizes,
-        "environment": env,
-        "environment_line": common.environment_line(env),
-        "rows": rows,
-    }
-    common.write_results("saliency", payload, table)
-    return payload
+    columns = [
+        ("n", "N", ",d"),
+        ("method", "method", ""),
+        ("examples_per_s", "examples/s", ",.0f"),
+        ("throughput_vs_naive", "vs naive", ".2f"),
+        ("device_peak_mib", "device peak MiB", ",.0f"),
+        ("host_max_rss_mib", "host max RSS MiB", ",.0f"),
+    ]
+    return common.publish("saliency", title, rows, columns, sizes=sizes)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-CHANNELS = 64
+CHANNELS = 32
 BLOCKS = 6
 
 
