@@ -200,3 +200,22 @@ def test_multi_worker_mirrored_strategy_on_loopback(tmp_path, rng):
     for a, b in zip(results[0], results[1]):
         np.testing.assert_array_equal(np.array(a), np.array(b))  # identical on both workers
     assert_variables_close([np.array(v) for v in results[0]], reference.trainable_variables, atol=1e-5)
+
+
+def test_checkpointed_model_under_mirrored_strategy_equals_plain(strategy, rng):
+    def make(checkpointed):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(6, activation="tanh") for _ in range(4)]
+        stack = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6), *layers, keras.layers.Dense(3)])
+        return effgrad.checkpoint_sequential(stack, segments=2) if checkpointed else stack
+
+    x = rng.normal(size=(9, 5)).astype("float32")
+    y = rng.normal(size=(9, 3)).astype("float32")
+    reference = make(False)
+    plain_step(reference, keras.losses.mean_squared_error, keras.optimizers.SGD(0.1), x, y)
+    with strategy.scope():
+        model, opt = make(True), keras.optimizers.SGD(0.1)
+    effgrad.build_train_step(model, "mse", opt, micro_batches=2, strategy=strategy)(x, y)
+    for variable, expected in zip(model.trainable_variables, reference.trainable_variables):
+        for value in _replica_values(variable, strategy):
+            np.testing.assert_allclose(value, expected.numpy(), rtol=1e-5, atol=1e-6)

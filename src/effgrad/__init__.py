@@ -4,19 +4,25 @@ Exact gradient accumulation, activation checkpointing, dynamic loss scaling
 and streaming saliency behind one compiled train-step builder.
 """
 
+import contextlib as _contextlib
 import os as _os
 import sys as _sys
+
+from effgrad import _quiet
 
 if "tensorflow" not in _sys.modules:
     # effgrad.memory reads the allocator's peak; on CPU TensorFlow only keeps
     # that statistic with its BFC allocator, chosen at TensorFlow start-up.
     _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-from effgrad import memory  # noqa: E402
-from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential  # noqa: E402
-from effgrad.explain import saliency, saliency_summary  # noqa: E402
-from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale  # noqa: E402
-from effgrad.step import TrainStep, attach, build_train_step  # noqa: E402
+# Importing everything here registers effgrad's Keras layers, so a .keras file
+# that contains them loads after a plain `import effgrad`.
+with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
+    from effgrad import memory
+    from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential
+    from effgrad.explain import saliency, saliency_summary
+    from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+    from effgrad.step import TrainStep, attach, build_train_step
 
 __version__ = "0.1.0"
 

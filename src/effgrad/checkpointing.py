@@ -18,11 +18,11 @@ BatchNorm updates its moving statistics twice. effgrad runs both passes in a
 ``keras.StatelessScope``: the forward collects the state it writes and applies
 it once; the recompute reads the pre-forward snapshot and its writes go
 nowhere. Keyword arguments are bound in a closure (``tf.custom_gradient``
-refuses them in graph mode), and in graph/XLA code the recompute runs inside
-a conditional on the incoming gradient, so XLA's common-subexpression
-elimination cannot merge it back into the forward pass (which silently keeps
-every activation alive again: measured with XLA on CPU, where optimization
-barriers are stripped before CSE).
+refuses them in graph mode). An identical recompute would be merged back into
+the forward pass by common-subexpression elimination, silently keeping every
+activation alive again (measured): in graphs its inputs pass through an
+optimization barrier with the incoming gradient; under XLA, whose CPU backend
+strips barriers before CSE, it runs inside a conditional instead.
 
 Example:
     >>> block = effgrad.Checkpoint(keras.Sequential([Dense(1024, "relu"), Dropout(0.1)]))
@@ -43,7 +43,9 @@ from collections.abc import Callable
 
 import keras
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import record
+from tensorflow.python.ops import control_flow_util
 
 __all__ = ["checkpoint", "Checkpoint", "checkpoint_sequential"]
 
@@ -112,15 +114,16 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
             variables = list(variables or [])
             watched = [t for t in tensors if _differentiable(t)]
 
-            def recompute_and_differentiate():
+            def recompute_and_differentiate(replay=tensors):
+                sources = [t for t in replay if _differentiable(t)]
                 with tf.GradientTape() as tape:
-                    tape.watch(watched)
+                    tape.watch(sources)
                     with _StateScope(zip(written, snapshot)):  # same seeds; writes discarded
-                        recomputed = tf.nest.flatten(call(tensors))
+                        recomputed = tf.nest.flatten(call(replay))
                 pairs = [(o, g) for o, g in zip(recomputed, output_grads) if g is not None and _differentiable(o)]
                 grads = tape.gradient(
                     [o for o, _ in pairs],
-                    watched + variables,
+                    sources + variables,
                     output_gradients=[g for _, g in pairs],
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
@@ -128,13 +131,12 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
             if tf.executing_eagerly():
                 grads = recompute_and_differentiate()
-            else:
-                # In a graph the recompute must not be merged with the forward
-                # pass (XLA's CSE does exactly that, and XLA:CPU strips
-                # optimization barriers first). CSE does not look inside a
-                # conditional, and a predicate on the incoming gradients also
-                # keeps the recompute from running before they exist. The
-                # other branch only runs when those gradients are inf/NaN and
+            elif control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+                # XLA's CSE would merge the recompute back into the forward
+                # pass (XLA:CPU strips optimization barriers before CSE), but
+                # it does not look inside a conditional. The predicate on the
+                # incoming gradients also keeps the recompute from running
+                # early; the other branch only runs when they are inf/NaN and
                 # returns NaN, so loss scaling still sees the overflow.
                 incoming = [tf.reduce_all(tf.math.is_finite(g)) for g in output_grads if g is not None]
                 grads = tf.cond(
@@ -142,6 +144,13 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                     recompute_and_differentiate,
                     lambda: [tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype)) for t in watched + variables],
                 )
+            else:
+                # Grappler would merge an identical recompute with the forward
+                # pass; routing the inputs through a barrier together with the
+                # incoming gradients makes them different tensors, available
+                # only once backprop reaches this block.
+                barrier = xla.optimization_barrier(*tensors, *[g for g in output_grads if g is not None])
+                grads = recompute_and_differentiate(list(barrier[: len(tensors)]))
             watched_grads = iter(grads[: len(watched)])
             input_grads = [next(watched_grads) if _differentiable(t) else None for t in tensors]
             return input_grads, grads[len(watched) :]

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
 def _quiet_tensorflow() -> None:
-    # Must precede the first TensorFlow import: its C++ logging reads these once.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    """Initializes TensorFlow's devices without their log lines (see effgrad._quiet)."""
+    import tensorflow as tf
+
+    from effgrad import _quiet
+
+    with _quiet.stderr_silenced():
+        tf.config.list_logical_devices()
 
 
 def _parser() -> argparse.ArgumentParser:
