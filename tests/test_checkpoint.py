@@ -243,14 +243,11 @@ def test_nested_checkpoints_equal_plain(rng, mode):
         return inner, keras.Sequential([keras.Input((6,)), keras.layers.Dense(6), inner, keras.layers.Dense(2)])
 
     _, plain = make()
-    inner, outer_model = make()
-    outer_model.layers[1]  # noqa: B018 - the inner Sequential
+    inner, same_layers = make()  # same weights as `plain`, re-wired below
+    first, _, last = same_layers.layers
+    # A checkpoint inside a checkpoint: Dense -> [Dense, Dropout] nested.
     nested = keras.Sequential(
-        [
-            keras.Input((6,)),
-            effgrad.Checkpoint(keras.Sequential([outer_model.layers[0], effgrad.Checkpoint(inner)])),
-            outer_model.layers[2],
-        ]
+        [keras.Input((6,)), effgrad.Checkpoint(keras.Sequential([first, effgrad.Checkpoint(inner)])), last]
     )
     x = rng.normal(size=(4, 6)).astype("float32")
     y0, g0 = _grads(plain, x, mode, training=True)

@@ -13,7 +13,6 @@ def _allocate(n_floats):
 def test_peak_grows_with_a_known_allocation():
     reports = [effgrad.memory.measure(_allocate, n) for n in (1_000_000, 3_000_000, 5_000_000)]
     extras = [r.extra_bytes for r in reports]
-    print(extras)
     assert extras[0] >= 4_000_000
     # Each step adds 2M floats = 8 MB to the buffer that must be alive at the peak.
     for smaller, larger in zip(extras, extras[1:]):
