@@ -62,8 +62,11 @@ def child(config: dict) -> dict:
 
     inputs, blocks = _blocks(config)
     method = config["method"]
-    if method == "effgrad sqrt segments":
-        model = effgrad.checkpoint_sequential(keras.Sequential([inputs, *blocks]), segments="sqrt")
+    if method.startswith("effgrad") and "segments" in method:  # "effgrad sqrt segments" / "effgrad 8 segments"
+        segments = method.split()[1]
+        model = effgrad.checkpoint_sequential(
+            keras.Sequential([inputs, *blocks]), segments=segments if segments == "sqrt" else int(segments)
+        )
     else:
         wrap = {
             "none": lambda b: b,

@@ -41,6 +41,16 @@ def plot_all() -> list:
                 ax.annotate(r["method"], (r["time_ratio"], r["memory_ratio"]), fontsize=7)
             ax.set(xlabel="time vs none", ylabel="activation memory vs none", title=model, ylim=(0, 1.15))
         written.append(_save(fig, plt, "checkpointing_tradeoff.png"))
+    seg = _load("segments")
+    if seg:
+        rows = [r for r in seg["rows"] if r["segments"] > 0]
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        ax.plot([r["segments"] for r in rows], [r["memory_ratio"] for r in rows], "o-", label="activation memory")
+        ax.plot([r["segments"] for r in rows], [r["time_ratio"] for r in rows], "s--", label="time")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="segments", ylabel="vs no checkpointing", title="checkpoint_sequential")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, plt, "checkpointing_segments.png"))
     sal = _load("saliency")
     if sal:
         fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))

@@ -20,7 +20,7 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for suite in ("accumulation", "loss_scaling", "checkpointing", "distributed", "saliency"):
+    for suite in ("accumulation", "loss_scaling", "checkpointing", "segments", "distributed", "saliency"):
         payload = json.loads((tmp_path / f"{suite}.json").read_text())
         assert payload["environment"]["tensorflow"] and payload["environment"]["cpu"]
         assert payload["rows"], suite
@@ -29,5 +29,10 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         assert (tmp_path / f"{suite}.md").read_text().count("|") > 10
     effgrad_rows = [r for r in json.loads((tmp_path / "saliency.json").read_text())["rows"] if "effgrad" in r["method"]]
     assert effgrad_rows  # effgrad itself never depends on the optional peers
-    for png in ("accumulation_memory.png", "checkpointing_tradeoff.png", "saliency_scaling.png"):
+    for png in (
+        "accumulation_memory.png",
+        "checkpointing_tradeoff.png",
+        "checkpointing_segments.png",
+        "saliency_scaling.png",
+    ):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
