@@ -342,13 +342,22 @@ def _plan(
     units = _output_units(model, source.sample) if not callable(target) else 0
     target_mode, indices = _check_target(target, units, source.num_examples)
     map_shape = reductions.reduced_shape(source.example_shape, reduce)
+    method_config = method.config()
+    if target_mode == "fixed":
+        target_config = int(target)
+    elif target_mode == "per_example":
+        target_config = {"per_example": hashlib.sha1(indices).hexdigest()}
+    else:
+        target_config = target_mode
     # Compiled jobs are kept per model, so a second call (another dataset,
-    # a summary after the maps) reuses the traced function.
+    # a summary after the maps) reuses the traced function. Per-example
+    # indices are an input of the job; a callable target is part of it.
     key = (
-        json.dumps(method.config(), sort_keys=True),
+        json.dumps(method_config, sort_keys=True),
         reduce,
-        target_mode,
-        int(target) if target_mode == "fixed" else id(target) if target_mode == "callable" else None,
+        id(target)
+        if target_mode == "callable"
+        else json.dumps(target_config if target_mode == "fixed" else target_mode),
         np.dtype(dtype).str,
         source.example_shape,
         source.dtype.name,
@@ -359,18 +368,15 @@ def _plan(
         jobs[key] = SaliencyJob(
             model, method, reduce, target_mode, target, dtype, source.example_shape, source.dtype, strategy
         )
-    job = jobs[key]
     config = {
-        **method.config(),
+        **method_config,
         "reduce": reduce,
         "dtype": np.dtype(dtype).name,
         "batch_size": int(batch_size),
         "shape": [source.num_examples, *map_shape],
-        "target": target_mode if indices is None else {"per_example": hashlib.sha1(indices).hexdigest()},
+        "target": target_config,
     }
-    if target_mode == "fixed":
-        config["target"] = int(target)
-    return job, source, indices, (source.num_examples, *map_shape), config
+    return jobs[key], source, indices, (source.num_examples, *map_shape), config
 
 
 def saliency(
