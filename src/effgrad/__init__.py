@@ -22,7 +22,8 @@ with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nu
     from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential
     from effgrad.explain import saliency, saliency_summary
     from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
-    from effgrad.step import TrainStep, attach, build_train_step
+    from effgrad.fit import attach
+    from effgrad.step import StepOptions, TrainStep, build_train_step
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "LossScale",
     "NoLossScale",
     "StaticLossScale",
+    "StepOptions",
     "TrainStep",
     "attach",
     "build_train_step",

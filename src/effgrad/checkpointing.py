@@ -43,31 +43,11 @@ from collections.abc import Callable
 
 import keras
 import tensorflow as tf
-from tensorflow.compiler.tf2xla.python import xla
-from tensorflow.python.eager import record
-from tensorflow.python.ops import control_flow_util
+
+from effgrad import _compat
+from effgrad.state import StateScope
 
 __all__ = ["checkpoint", "Checkpoint", "checkpoint_sequential"]
-
-
-class _StateScope(keras.StatelessScope):
-    """A StatelessScope that remembers which variables were written.
-
-    It starts from the enclosing scope's pending values, so a nested
-    checkpoint sees the state its parent has advanced but not yet applied.
-    """
-
-    def __init__(self, state_mapping=()):
-        super().__init__(state_mapping=list(state_mapping))
-        parent = keras.src.backend.get_stateless_scope()
-        if parent is not None:
-            for key, value in parent.state_mapping.items():
-                self.state_mapping.setdefault(key, value)
-        self.written: dict[int, keras.Variable] = {}
-
-    def add_update(self, update):
-        super().add_update(update)
-        self.written[id(update[0])] = update[0]
 
 
 def _is_tensor(value) -> bool:
@@ -97,8 +77,8 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
     @tf.custom_gradient
     def forward(*tensors):
-        scope = _StateScope()
-        with scope, record.stop_recording():  # keep no activation for backprop
+        scope = StateScope()
+        with scope, _compat.stop_recording():  # keep no activation for backprop
             outputs = call(tensors)
         written = list(scope.written.values())
         # The scope kept the writes off the variables: they still hold the
@@ -118,7 +98,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 sources = [t for t in replay if _differentiable(t)]
                 with tf.GradientTape() as tape:
                     tape.watch(sources)
-                    with _StateScope(zip(written, snapshot)):  # same seeds; writes discarded
+                    with StateScope(zip(written, snapshot)):  # same seeds; writes discarded
                         recomputed = tf.nest.flatten(call(replay))
                 pairs = [(o, g) for o, g in zip(recomputed, output_grads) if g is not None and _differentiable(o)]
                 grads = tape.gradient(
@@ -131,7 +111,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
             if tf.executing_eagerly():
                 grads = recompute_and_differentiate()
-            elif control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            elif _compat.in_xla_context():
                 # XLA's CSE would merge the recompute back into the forward
                 # pass (XLA:CPU strips optimization barriers before CSE), but
                 # it does not look inside a conditional. The predicate on the
@@ -149,7 +129,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 # pass; routing the inputs through a barrier together with the
                 # incoming gradients makes them different tensors, available
                 # only once backprop reaches this block.
-                barrier = xla.optimization_barrier(*tensors, *[g for g in output_grads if g is not None])
+                barrier = _compat.optimization_barrier(*tensors, *[g for g in output_grads if g is not None])
                 grads = recompute_and_differentiate(list(barrier[: len(tensors)]))
             watched_grads = iter(grads[: len(watched)])
             input_grads = [next(watched_grads) if _differentiable(t) else None for t in tensors]

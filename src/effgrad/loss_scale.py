@@ -26,6 +26,8 @@ import math
 
 import tensorflow as tf
 
+from effgrad import _checks
+
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "get"]
 
 
@@ -166,6 +168,8 @@ class DynamicLossScale(LossScale):
         backoff_factor: float = 0.5,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
+        *,
+        _state: tuple[tf.Variable, tf.Variable] | None = None,
     ):
         super().__init__(name="dynamic_loss_scale")
         initial_scale = _positive_number(initial_scale, "initial_scale")
@@ -173,9 +177,7 @@ class DynamicLossScale(LossScale):
         self.backoff_factor = _positive_number(backoff_factor, "backoff_factor")
         self.min_scale = _positive_number(min_scale, "min_scale")
         self.max_scale = _positive_number(max_scale, "max_scale")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}.")
-        self.growth_interval = growth_interval
+        self.growth_interval = _checks.positive_int(growth_interval, "growth_interval")
         if self.growth_factor <= 1:
             raise ValueError(f"growth_factor must be > 1 so the scale can grow, got {growth_factor!r}.")
         if self.backoff_factor >= 1:
@@ -187,9 +189,29 @@ class DynamicLossScale(LossScale):
                 f"initial_scale ({initial_scale!r}) must lie in [min_scale, max_scale] = "
                 f"[{min_scale!r}, {max_scale!r}]."
             )
-        self._scale = _state_variable(initial_scale, tf.float32, "scale")
-        self._counter = _state_variable(0, tf.int64, "counter")
+        if _state is None:
+            _state = (_state_variable(initial_scale, tf.float32, "scale"), _state_variable(0, tf.int64, "counter"))
+        self._scale, self._counter = _state
         self._overflow_streak = _state_variable(0, tf.int64, "overflow_streak")
+
+    @classmethod
+    def sharing_state_of(cls, keras_optimizer) -> DynamicLossScale:
+        """A dynamic scale whose scale and counter ARE the variables of a Keras ``LossScaleOptimizer``.
+
+        ``model.compile`` under ``mixed_float16`` wraps the optimizer in one;
+        its ``dynamic_scale`` and ``step_counter`` are optimizer variables, so
+        ``model.save`` / ``ModelCheckpoint`` store them and ``load_model``
+        restores them. Keeping effgrad's state there makes it survive a
+        ``.keras`` round trip with no file format of its own. The wrapper must
+        be built.
+        """
+        scale = keras_optimizer.dynamic_scale.value  # the backing tf.Variable
+        counter = keras_optimizer.step_counter.value
+        return cls(
+            initial_scale=float(scale.numpy()),
+            growth_interval=int(keras_optimizer.dynamic_growth_steps),
+            _state=(scale, counter),
+        )
 
     @property
     def value(self) -> tf.Tensor:
@@ -209,12 +231,12 @@ class DynamicLossScale(LossScale):
         # context, where a tf.cond around variable writes would need merge_call.
         finite = tf.convert_to_tensor(grads_finite, tf.bool)
         scale = tf.convert_to_tensor(self._scale)
-        counter = self._counter + 1
+        counter = tf.cast(self._counter, tf.int64) + 1
         grow = counter >= self.growth_interval
         grown = tf.minimum(scale * self.growth_factor, self.max_scale)
         shrunk = tf.maximum(scale * self.backoff_factor, self.min_scale)
         new_scale = tf.where(finite, tf.where(grow, grown, scale), shrunk)
-        new_counter = tf.where(finite & ~grow, counter, tf.zeros_like(counter))
+        new_counter = tf.cast(tf.where(finite & ~grow, counter, tf.zeros_like(counter)), self._counter.dtype)
         at_min = scale <= self.min_scale
         new_streak = tf.where(
             finite,
@@ -247,22 +269,24 @@ def computes_in_float16(model) -> bool:
     return any(getattr(layer, "compute_dtype", None) == "float16" for layer in layers)
 
 
-def get(loss_scale, model=None) -> LossScale:
+def get(loss_scale, model=None, keras_optimizer=None) -> LossScale:
     """Resolves the ``loss_scale`` argument of ``build_train_step``.
 
     ``"auto"`` means dynamic scaling exactly when the model computes in
-    float16; ``None`` means none; a number means a static scale.
+    float16; ``None`` means none; a number means a static scale. A dynamic
+    scale keeps its state in ``keras_optimizer`` (a built Keras
+    ``LossScaleOptimizer``) when one is given.
     """
     if isinstance(loss_scale, LossScale):
         return loss_scale
     if loss_scale is None:
         return NoLossScale()
     if isinstance(loss_scale, str):
-        if loss_scale == "auto":
-            if model is not None and computes_in_float16(model):
-                return DynamicLossScale()
+        if loss_scale == "auto" and not (model is not None and computes_in_float16(model)):
             return NoLossScale()
-        if loss_scale == "dynamic":
+        if loss_scale in ("auto", "dynamic"):
+            if keras_optimizer is not None:
+                return DynamicLossScale.sharing_state_of(keras_optimizer)
             return DynamicLossScale()
         raise ValueError(
             f"Unknown loss_scale {loss_scale!r}: use 'auto', 'dynamic', None, a number "

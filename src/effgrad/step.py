@@ -1,42 +1,45 @@
 """The train-step builder: micro-batches, loss scaling and clipping in one step.
 
 This is the one module that composes the others. One call of the step is one
-optimizer update of the loss (``w`` = sample weights, ``l`` = unreduced losses)::
+optimizer update of the loss (``w`` = sample weights times any Keras mask,
+``l`` = unreduced losses, normalization from ``reduction``)::
 
-    L = sum(w * l) / sum(w)  over the WHOLE batch   +   weight regularization
+    L = sum(w * l) / sum(w)  over the WHOLE batch and all replicas   +   weight regularization
 
 Per replica, inside one ``tf.function``::
 
-    S = loss_scale.value                         # constant within the step
-    G = sum over micro-batches i of  d(S * sum(w_i * l_i) / B_local) / dθ   (float32)
-    G = G * B_local / S                          # unscale once -> d sum(w*l) / dθ
-    G, sum(w*l), sum(w) = all_reduce(SUM, ...)   # the step's ONE cross-replica reduction
-    g = G / sum(w) + d(regularization) / dθ
-    finite = all(isfinite(g))                    # identical on every replica (after the sum)
-    g = clip_by_global_norm(g, clip_norm)        # unscaled and reduced
-    if finite and sum(w) > 0: optimizer.apply(g) # else: nothing changes
+    S = loss_scale.value                          # constant within the step
+    acc = sum over micro-batches i of d(S * sum(w_i * l_i) / B_local) / dθ   # float32, in place
+    state writes of the forward passes (BatchNorm statistics, seeds): held back
+    acc, sum(w*l), sum(w) = all_reduce(SUM, ...)  # the step's ONE cross-replica reduction
+    finite = all(isfinite(acc))                   # identical on every replica (after the sum)
+    g = acc * B_local / (S * sum(w)) + d(regularization) / dθ     # ONE pass: unscale + normalize
+    g = g * min(1, clip_norm / |g|)                               #   + clip, folded into it
+    if finite and sum(w) > 0: optimizer.apply(g); commit state writes   # else: nothing changes
     loss_scale.update(finite)
 
 Dividing each micro-batch by the local batch size keeps the scaled objective
 at the magnitude of a mean loss (what float16 loss scaling is tuned for), and
-multiplying back before the reduction makes the result exact whatever the
-micro-batch and replica sizes are.
+multiplying back makes the result exact whatever the micro-batch and replica
+sizes are. With several replicas the ``B_local`` factor is applied before the
+reduction (it differs per replica), the rest after it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from effgrad import accumulate
+from effgrad import _checks, _compat, accumulate, distribute, losses, state
 from effgrad import loss_scale as loss_scale_lib
 
-__all__ = ["TrainStep", "build_train_step", "attach"]
+__all__ = ["StepOptions", "TrainStep", "build_train_step"]
 
 # How often (in calls) the step reads the loss-scale state to warn about a
 # collapsed scale; reading it every call would force a device sync.
@@ -44,19 +47,28 @@ _COLLAPSE_CHECK_EVERY = 10
 _COLLAPSE_STREAK = 10
 
 
-def _unreduced_loss(loss) -> Callable:
-    """Returns ``fn(y_true, y_pred) -> per-example/element losses``."""
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
-    if isinstance(loss, keras.losses.Loss):
-        # `call` is the unreduced loss; `__call__` would reduce it.
-        return loss.call
-    if callable(loss):
-        return loss
-    raise TypeError(
-        f"loss must be a keras.losses.Loss, a loss name or a callable(y_true, y_pred) "
-        f"returning unreduced losses, got {type(loss).__name__}."
-    )
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The keyword options of :func:`build_train_step` (and :func:`effgrad.attach`), validated once."""
+
+    micro_batches: int = 1
+    loss_scale: Any = "auto"
+    clip_norm: float | None = None
+    jit_compile: bool = False
+    strategy: tf.distribute.Strategy | None = None
+    reduction: str = "mean_with_sample_weight"
+    on_micro_batch: Callable | None = None
+
+    def __post_init__(self):
+        hint = " (1 = no accumulation)"
+        object.__setattr__(self, "micro_batches", _checks.positive_int(self.micro_batches, "micro_batches", hint))
+        if self.clip_norm is not None:
+            if isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float)) or not self.clip_norm > 0:
+                raise ValueError(f"clip_norm must be a number > 0 or None, got {self.clip_norm!r}.")
+            object.__setattr__(self, "clip_norm", float(self.clip_norm))
+        object.__setattr__(self, "reduction", losses.check_reduction(self.reduction))
+        if self.strategy is not None and not isinstance(self.strategy, tf.distribute.Strategy):
+            raise TypeError(f"strategy must be a tf.distribute.Strategy, got {type(self.strategy).__name__}.")
 
 
 def _to_float32(nest):
@@ -90,29 +102,24 @@ def _relaxed_spec(t):
     return tf.TensorSpec([None] + shape[1:], t.dtype)
 
 
-@contextlib.contextmanager
-def _gradients_already_reduced(optimizer):
-    """Stops Keras' TF optimizer from summing gradients across replicas again.
-
-    Keras' ``apply()`` all-reduces the gradients it is given when it runs in
-    replica context. effgrad's gradients are already the one cross-replica sum
-    of the step (needed before the finiteness check and the clipping), so a
-    second sum would multiply them by the number of replicas. The override is
-    an instance attribute that exists only while ``apply()`` is traced.
-    """
-    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
-        yield
-        return
-    # object.__setattr__: plain instance attribute, no Keras tracking.
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
-    try:
-        yield
-    finally:
-        object.__delattr__(optimizer, "_all_reduce_sum_gradients")
-
-
 def _regularized(variables):
     return [(i, v) for i, v in enumerate(variables) if getattr(v, "regularizer", None) is not None]
+
+
+def _unwrap_optimizer(optimizer):
+    """``(optimizer that applies updates, Keras LossScaleOptimizer or None)``.
+
+    ``model.compile`` under ``mixed_float16`` wraps the optimizer in Keras's
+    ``LossScaleOptimizer``, whose ``apply`` divides by its own scale. effgrad
+    scales and unscales itself, so it applies through the inner optimizer and
+    keeps its scale state in the wrapper's variables (saved with the model):
+    one loss scale, not two.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer, optimizer
+    return optimizer, None
 
 
 class TrainStep:
@@ -121,55 +128,39 @@ class TrainStep:
     Attributes:
         micro_batches: Micro-batches every batch is split into.
         loss_scale: The :class:`effgrad.LossScale` in use.
+        reduction: The loss normalization (a Keras reduction name).
         strategy: The ``tf.distribute.Strategy`` the step runs under.
         trace_count: How often the step function has been traced (a step
             traces once per input structure/dtype; batch size never retraces).
     """
 
-    def __init__(
-        self,
-        model,
-        loss,
-        optimizer,
-        *,
-        micro_batches: int = 1,
-        loss_scale="auto",
-        clip_norm: float | None = None,
-        jit_compile: bool = False,
-        strategy: tf.distribute.Strategy | None = None,
-        on_micro_batch: Callable | None = None,
-    ):
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, (int, np.integer)) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive int (1 = no accumulation), got {micro_batches!r}.")
-        if clip_norm is not None and (isinstance(clip_norm, bool) or not clip_norm > 0):
-            raise ValueError(f"clip_norm must be a number > 0 or None, got {clip_norm!r}.")
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
+    def __init__(self, model, loss, optimizer, **options):
+        self.options = StepOptions(**options)
         if not callable(model) or not hasattr(model, "trainable_variables"):
             raise TypeError(f"model must be a keras.Model or keras.Layer, got {type(model).__name__}.")
         self.model = model
-        self.optimizer = optimizer
-        self.micro_batches = int(micro_batches)
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
-        self.jit_compile = bool(jit_compile)
-        self.strategy = strategy or tf.distribute.get_strategy()
-        self.on_micro_batch = on_micro_batch
-        self._loss_fn = _unreduced_loss(loss)
-        with self.strategy.scope():
-            self.loss_scale = loss_scale_lib.get(loss_scale, model)
+        self.optimizer, self._keras_loss_scale = _unwrap_optimizer(optimizer)
+        self.micro_batches = self.options.micro_batches
+        self.reduction = self.options.reduction
+        self.strategy = self.options.strategy or tf.distribute.get_strategy()
+        self._loss_fn = losses.unreduced(loss)
+        self.loss_scale: loss_scale_lib.LossScale | None = None
         self.trace_count = 0
         self._calls = 0
         self._warned_collapse = False
         self._ready = False
         self._signatures: set[str] = set()
-        self._compute = tf.function(self._compute_gradients, jit_compile=self.jit_compile)
+        self._accumulators: list[tf.Variable] | None = None
+        self._state_variables: list = []
+        self._written: list[int] = []  # indices of state variables the forward pass writes (seen at trace)
+        self._compute = tf.function(self._compute_gradients, jit_compile=self.options.jit_compile)
         self._step = tf.function(self._distributed_step)
         if getattr(model, "built", False):
             self._prepare()
 
     # ------------------------------------------------------------------ edges
     def _prepare(self, x=None) -> None:
-        """Builds model and optimizer variables outside any tf.function."""
+        """Creates every variable the step needs, outside any tf.function."""
         if not getattr(self.model, "built", False) and x is not None:
             # Variables cannot be created inside the compiled step; one
             # inference call on a single row builds them without touching
@@ -182,9 +173,15 @@ class TrainStep:
                 f"{type(self.model).__name__} has no trainable variables, so the step would train "
                 "nothing; build the model first or unfreeze layers (layer.trainable = True)."
             )
-        if not self.optimizer.built:
-            with self.strategy.scope():
+        with self.strategy.scope():
+            if self._keras_loss_scale is not None and not self._keras_loss_scale.built:
+                self._keras_loss_scale.build(variables)  # builds the inner optimizer too
+            if not self.optimizer.built:
                 self.optimizer.build(variables)
+            self.loss_scale = loss_scale_lib.get(self.options.loss_scale, self.model, self._keras_loss_scale)
+            if self.micro_batches > 1:
+                self._accumulators = accumulate.make_accumulators(variables)
+        self._state_variables = list(self.model.non_trainable_variables)
         self._ready = True
 
     def __call__(self, x, y, sample_weight=None) -> dict:
@@ -199,9 +196,7 @@ class TrainStep:
             _check_batch_sizes(x, y, sample_weight)
         if not self._ready:
             self._prepare(x)
-        if distributed:
-            logs = self._step(x, y, sample_weight)
-        else:
+        if not distributed:
             specs = tf.nest.map_structure(_relaxed_spec, (x, y, sample_weight))
             key = repr(specs)
             if key not in self._signatures:
@@ -209,11 +204,12 @@ class TrainStep:
                 # batch sizes reuse this graph instead of retracing.
                 self._step.get_concrete_function(*specs)
                 self._signatures.add(key)
-            logs = self._step(x, y, sample_weight)
-        self._watch_loss_scale()
+        logs = self._step(x, y, sample_weight)
+        self.watch_loss_scale()
         return logs
 
-    def _watch_loss_scale(self) -> None:
+    def watch_loss_scale(self) -> None:
+        """Warns once when the dynamic scale has collapsed (called between steps, on the host)."""
         self._calls += 1
         if self._warned_collapse or not isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
             return
@@ -236,106 +232,161 @@ class TrainStep:
         shard = not isinstance(x, tf.distribute.DistributedValues) and self.strategy.num_replicas_in_sync > 1
         logs = self.strategy.run(self.replica_step, args=(x, y, sample_weight), kwargs={"shard": shard})
         # Every log value is computed from all-reduced sums: replica 0's copy is the value.
-        return {k: self.strategy.experimental_local_results(v)[0] for k, v in logs.items()}
+        return {k: distribute.first_replica(self.strategy, v) for k, v in logs.items()}
 
-    def _micro_step(self, local_rows):
-        def micro_step(batch):
+    def _micro_step(self, local_rows, written: set):
+        state_variables = self._state_variables
+
+        def micro_step(batch, carry):
             x, y, sample_weight = batch
-            y_pred = self.model(x, training=True)
-            self._reject_call_losses()
-            losses = tf.convert_to_tensor(self._loss_fn(y, _to_float32(y_pred)))
-            if losses.shape.rank == 0:
+            total, normalizer, pending = carry
+            with state.StateScope(zip(state_variables, pending), collect_losses=True) as scope:
+                y_pred = self.model(x, training=True)
+            written.update(state.written_in(scope, state_variables))
+            pending = [scope.get_current_value(v) for v in state_variables]
+            if scope.losses:
+                raise NotImplementedError(
+                    "The model adds losses in its forward pass (add_loss / activity_regularizer). They are "
+                    "batch statistics that effgrad cannot renormalize over the whole batch; move the term "
+                    "into the loss function or use a kernel regularizer instead."
+                )
+            mask = losses.keras_mask(y_pred)  # before the cast, which drops it
+            values = tf.convert_to_tensor(self._loss_fn(y, _to_float32(y_pred)))
+            if values.shape.rank == 0:
                 raise ValueError(
                     "The loss returned a scalar, i.e. it is already reduced over the batch; effgrad "
                     "needs unreduced losses (shape [batch] or [batch, ...]) to normalize once over the "
                     "whole batch. Pass a keras.losses.Loss instance or a function like "
                     "`lambda y, p: keras.losses.mean_squared_error(y, p)`."
                 )
-            weights = tf.ones_like(losses, tf.float32)
-            if sample_weight is not None:
-                weights = accumulate.broadcast_weights(sample_weight, losses)
-            weighted_sum = tf.reduce_sum(weights * tf.cast(losses, tf.float32))
-            if self.on_micro_batch is not None:
-                self.on_micro_batch(x, y, y_pred, sample_weight)
-            objective = self.loss_scale.scale(weighted_sum / local_rows)
-            return objective, (weighted_sum, tf.reduce_sum(weights))
+            micro_total, micro_normalizer = losses.weighted_terms(values, sample_weight, mask, self.reduction)
+            if self.options.on_micro_batch is not None:
+                self.options.on_micro_batch(x, y, y_pred, sample_weight)
+            objective = self.loss_scale.scale(micro_total / local_rows)
+            return objective, (total + micro_total, normalizer + micro_normalizer, pending)
 
         return micro_step
 
-    def _reject_call_losses(self) -> None:
-        n_call_losses = len(self.model.losses) - len(_regularized(self.model.trainable_variables))
-        if n_call_losses > 0:
-            raise NotImplementedError(
-                "The model adds losses in its forward pass (add_loss / activity_regularizer). They are "
-                "batch statistics that effgrad cannot renormalize over the whole batch; move the term "
-                "into the loss function or use a kernel regularizer instead."
-            )
-
     def _compute_gradients(self, x, y, sample_weight):
-        """Replica-local: raw (unscaled, unnormalized) gradient sums, XLA-compilable."""
+        """Replica-local and XLA-compilable: raw (scaled, unnormalized) gradient sums and loss sums."""
         variables = self.model.trainable_variables
         local_rows = tf.cast(tf.maximum(accumulate.batch_size(x), 1), tf.float32)
-        grads, (weighted_sum, weight_sum) = accumulate.accumulate_gradients(
-            self._micro_step(local_rows), variables, (x, y, sample_weight), self.micro_batches, num_aux=2
+        written: set[int] = set()
+        zero = tf.zeros([], tf.float32)
+        carry = (zero, zero, [tf.convert_to_tensor(v) for v in self._state_variables])
+        grads, (total, normalizer, pending) = accumulate.accumulate_gradients(
+            self._micro_step(local_rows, written),
+            variables,
+            (x, y, sample_weight),
+            self.micro_batches,
+            carry,
+            accumulators=self._accumulators,
+            static_shapes=self.options.jit_compile,
         )
-        grads = self.loss_scale.unscale(grads, multiplier=local_rows)  # one pass over the gradients
-
+        self._written = sorted(written)
         regularized = _regularized(variables)
         reg_loss, reg_grads = tf.zeros([], tf.float32), {}
         if regularized:
             with tf.GradientTape() as tape:
                 reg_loss = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for _, v in regularized])
             reg_grads = dict(zip((i for i, _ in regularized), tape.gradient(reg_loss, [v for _, v in regularized])))
-        return grads, weighted_sum, weight_sum, reg_loss, reg_grads
+        pending = [pending[i] for i in self._written]
+        return grads, total, normalizer, pending, local_rows, reg_loss, reg_grads
 
     def replica_step(self, x, y, sample_weight=None, shard: bool = False) -> dict:
-        """One step in replica context (what ``model.fit`` calls via :func:`attach`)."""
+        """One step in replica context (what ``model.fit`` calls via :func:`effgrad.attach`)."""
         ctx = tf.distribute.get_replica_context()
         if shard:
-            x, y, sample_weight = self._shard((x, y, sample_weight), ctx)
-        grads, weighted_sum, weight_sum, reg_loss, reg_grads = self._compute(x, y, sample_weight)
+            x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
+        grads, total, normalizer, pending, local_rows, reg_loss, reg_grads = self._compute(x, y, sample_weight)
+        variables = self.model.trainable_variables
+        connected = [i for i, g in enumerate(grads) if g is not None or i in reg_grads]
+        self._warn_unconnected(variables, connected)
+        # A variable reached only by its regularizer: its loss gradient is 0.
+        summed = [tf.zeros(variables[i].shape, tf.float32) if grads[i] is None else grads[i] for i in connected]
+        # B_local differs per replica, so with several replicas it is applied
+        # before the sum; with one, it joins the single pass below.
+        several = ctx.num_replicas_in_sync > 1
+        if several:
+            summed = [g * local_rows for g in summed]
+        summed, total, normalizer = ctx.all_reduce(tf.distribute.ReduceOp.SUM, (summed, total, normalizer))
 
-        grads, weighted_sum, weight_sum = ctx.all_reduce(tf.distribute.ReduceOp.SUM, (grads, weighted_sum, weight_sum))
-        grads = [tf.math.divide_no_nan(g, weight_sum) for g in grads]
-        for i, reg_grad in reg_grads.items():
-            grads[i] += reg_grad
-        loss = tf.math.divide_no_nan(weighted_sum, weight_sum) + reg_loss
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        if self.clip_norm is not None:
-            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=tf.linalg.global_norm(grads))
-        has_weight = weight_sum > 0
-        ctx.merge_call(self._apply, args=(grads, finite, has_weight))
+        per_loss = (1.0 if several else local_rows) / self.loss_scale.value
+        if self.reduction != "sum":
+            per_loss = tf.math.divide_no_nan(per_loss, normalizer)
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(g)) for g in summed]
+            + [tf.math.is_finite(per_loss)]
+            + [tf.reduce_all(tf.math.is_finite(r)) for r in reg_grads.values()]
+        )
+        final = self._final_gradients(summed, [reg_grads.get(i) for i in connected], per_loss)
+        if self._accumulators is not None:
+            # Written back into the accumulators: the final gradient needs no
+            # second gradient-sized buffer next to them.
+            updates = [self._accumulators[i].assign(g, read_value=False) for i, g in zip(connected, final)]
+            with tf.control_dependencies(updates):
+                final = [self._accumulators[i].read_value() for i in connected]
+        loss = losses.normalize(total, normalizer, self.reduction) + reg_loss
+        has_weight = normalizer > 0 if self.reduction == "mean_with_sample_weight" else tf.constant(True)
+        apply = functools.partial(self._apply_or_skip, connected=connected)
+        done = ctx.merge_call(apply, args=(final, pending, finite & has_weight, finite, has_weight))
+        if self._accumulators is not None:
+            with tf.control_dependencies([done]):
+                zeroed = [acc.assign(tf.zeros_like(acc)) for acc in self._accumulators]
+            with tf.control_dependencies(zeroed):
+                loss = tf.identity(loss)
         return {"loss": loss, "loss_scale": self.loss_scale.value, "grads_finite": finite}
 
-    def _shard(self, batch, ctx):
-        """This replica's contiguous rows of a global batch (balanced split)."""
-        n = ctx.num_replicas_in_sync
-        r = ctx.replica_id_in_sync_group
-        rows = accumulate.batch_size(batch)
-        start, stop = (rows * r) // n, (rows * (r + 1)) // n
-        return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], batch)
+    def _final_gradients(self, summed, reg_grads, per_loss):
+        """``g = summed * per_loss + reg`` clipped to ``clip_norm``, each gradient written once."""
+        clip_norm = self.options.clip_norm
+        if clip_norm is None:
+            return [self._combine(g, r, per_loss, 1.0) for g, r in zip(summed, reg_grads)]
+        # |g|^2 from the summed gradients: a scalar per variable, no scaled copy.
+        squares = [
+            tf.reduce_sum(tf.square(g)) * per_loss**2 if r is None else tf.reduce_sum(tf.square(g * per_loss + r))
+            for g, r in zip(summed, reg_grads)
+        ]
+        norm = tf.sqrt(tf.add_n(squares))
+        clip = clip_norm / tf.maximum(norm, clip_norm)
+        return [self._combine(g, r, per_loss, clip) for g, r in zip(summed, reg_grads)]
 
-    def _apply(self, strategy, grads, finite, has_weight):
-        """Cross-replica: apply the agreed update or skip it entirely."""
-        # The flags come from all-reduced sums, so every replica holds the
-        # same value and the first one speaks for all. A tf.cond whose branch
-        # synchronizes replicas must run in cross-replica context.
-        finite = strategy.experimental_local_results(finite)[0]
-        has_weight = strategy.experimental_local_results(has_weight)[0]
+    @staticmethod
+    def _combine(g, r, per_loss, clip):
+        g = g * (per_loss * clip)
+        return g if r is None else g + r * clip
 
-        def apply():
-            # Entered here, in the one cross-replica thread, not per replica thread.
-            with _gradients_already_reduced(self.optimizer):
-                strategy.extended.call_for_each_replica(self._apply_in_replica, args=(grads,))
-            return tf.constant(True)
+    def _warn_unconnected(self, variables, connected) -> None:
+        if len(connected) < len(variables):
+            idle = [variables[i].path for i in range(len(variables)) if i not in set(connected)]
+            warnings.warn(
+                f"Gradients do not exist for variables {idle} when minimizing the loss: they do not reach "
+                "it, so they are not updated (as in Keras's own fit). If that is unexpected, check the "
+                "model's outputs and loss.",
+                UserWarning,
+                stacklevel=2,
+            )
 
-        applied = tf.cond(finite & has_weight, apply, lambda: tf.constant(False))
+    def _apply_or_skip(self, strategy, grads, pending, apply_flag, finite, has_weight, *, connected):
+        """Cross-replica: apply the agreed update and commit forward-pass state, or change nothing."""
+        variables = [self.model.trainable_variables[i] for i in connected]
+        state_variables = [self._state_variables[i] for i in self._written]
+
+        def apply(grads, pending):
+            self.optimizer.apply(grads, variables)
+            for variable, value in zip(state_variables, pending):
+                variable.assign(value)
+
+        # Entered here, in the one cross-replica thread, not in each replica's.
+        with _compat.gradients_already_reduced(self.optimizer):
+            applied = distribute.apply_or_skip(strategy, apply_flag, apply, args=(grads, pending))
         with tf.control_dependencies([applied]):
             # An empty batch (no weight) is not evidence about the scale.
-            return tf.cond(has_weight, lambda: self._update_loss_scale(finite), lambda: tf.constant(False))
-
-    def _apply_in_replica(self, grads):
-        self.optimizer.apply(grads, self.model.trainable_variables)
+            return tf.cond(
+                distribute.first_replica(strategy, has_weight),
+                lambda: self._update_loss_scale(distribute.first_replica(strategy, finite)),
+                lambda: tf.constant(False),
+            )
 
     def _update_loss_scale(self, finite):
         op = self.loss_scale.update(finite)
@@ -343,47 +394,46 @@ class TrainStep:
             return tf.constant(True)
 
 
-def build_train_step(
-    model,
-    loss,
-    optimizer,
-    *,
-    micro_batches: int = 1,
-    loss_scale="auto",
-    clip_norm: float | None = None,
-    jit_compile: bool = False,
-    strategy: tf.distribute.Strategy | None = None,
-    on_micro_batch: Callable | None = None,
-) -> TrainStep:
+def build_train_step(model, loss, optimizer, **options) -> TrainStep:
     """Builds a compiled step that applies one exact update per batch.
 
     The update equals the plain full-batch update of
     ``L = sum(w * l) / sum(w) + regularization`` for any batch size and any
-    ``micro_batches``; only one micro-batch's activations are in memory at a
-    time.
+    ``micro_batches``; only one micro-batch's activations and one
+    gradient-sized float32 accumulator are in memory at a time.
 
     Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         >>> step = effgrad.build_train_step(model, keras.losses.MeanSquaredError(),
-        ...                                 keras.optimizers.Adam(1e-3), micro_batches=4)
-        >>> logs = step(x, y)            # one optimizer update on the whole batch
-        >>> float(logs["loss"])
+        ...                                 keras.optimizers.SGD(0.1), micro_batches=4)
+        >>> logs = step(np.ones((10, 4), "float32"), np.zeros((10, 2), "float32"))
+        >>> sorted(logs)
+        ['grads_finite', 'loss', 'loss_scale']
 
     Args:
         model: A built or buildable ``keras.Model``/``keras.Layer``.
         loss: A ``keras.losses.Loss``, a Keras loss name, or a callable
             ``(y_true, y_pred) -> losses`` with a leading batch dimension
             (NOT reduced: effgrad normalizes once over the whole batch).
-        optimizer: A ``keras.optimizers.Optimizer``.
-        micro_batches: Split every batch into this many micro-batches.
-        loss_scale: ``"auto"`` (dynamic iff the model computes in float16),
-            ``None``, ``"dynamic"``, a number (static) or a ``LossScale``.
-        clip_norm: Clip the global norm of the final (unscaled, reduced)
-            gradient.
-        jit_compile: Compile the gradient computation with XLA.
-        strategy: A ``tf.distribute.Strategy``; default: the current one.
-        on_micro_batch: Optional ``fn(x, y, y_pred, sample_weight)`` called
-            inside the compiled step once per micro-batch (padded rows carry
-            weight 0), e.g. to update metrics.
+        optimizer: A ``keras.optimizers.Optimizer``. A Keras
+            ``LossScaleOptimizer`` (what ``compile`` makes under
+            ``mixed_float16``) is unwrapped: effgrad's loss scale replaces
+            it and keeps its state in the wrapper's variables.
+        **options: Keyword options (:class:`StepOptions`):
+
+            * ``micro_batches``: split every batch into this many micro-batches.
+            * ``loss_scale``: ``"auto"`` (dynamic iff the model computes in
+              float16), ``None``, ``"dynamic"``, a number (static) or a ``LossScale``.
+            * ``clip_norm``: clip the global norm of the final (unscaled,
+              reduced) gradient.
+            * ``jit_compile``: compile the gradient computation with XLA.
+            * ``strategy``: a ``tf.distribute.Strategy``; default: the current one.
+            * ``reduction``: Keras's reduction name, computed over the whole
+              batch and all replicas: ``"mean_with_sample_weight"`` (default,
+              ``sum(w*l)/sum(w)``), ``"sum_over_batch_size"`` (``sum(w*l)`` / loss
+              elements, Keras's default for its losses) or ``"sum"``.
+            * ``on_micro_batch``: ``fn(x, y, y_pred, sample_weight)`` called
+              inside the compiled step once per micro-batch (e.g. metrics).
 
     Returns:
         A :class:`TrainStep`; call it as ``step(x, y, sample_weight=None)``.
@@ -391,84 +441,7 @@ def build_train_step(
     Trap:
         Keras losses reduce by default (``"sum_over_batch_size"``); effgrad
         calls ``loss.call`` to get the unreduced values, so a custom callable
-        must not reduce over the batch either.
+        must not reduce over the batch either. ``effgrad.attach`` takes the
+        compiled loss's reduction, so ``fit`` trains what stock Keras trains.
     """
-    return TrainStep(
-        model,
-        loss,
-        optimizer,
-        micro_batches=micro_batches,
-        loss_scale=loss_scale,
-        clip_norm=clip_norm,
-        jit_compile=jit_compile,
-        strategy=strategy,
-        on_micro_batch=on_micro_batch,
-    )
-
-
-def attach(model: keras.Model, **step_options) -> keras.Model:
-    """Makes ``model.fit`` train with an effgrad step (after ``model.compile``).
-
-    Uses the compiled loss, optimizer and metrics; metrics are updated once per
-    micro-batch, and ``loss_scale`` shows in the logs when scaling is on.
-
-    Example:
-        >>> model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-        >>> effgrad.attach(model, micro_batches=8)
-        >>> model.fit(x, y, batch_size=256)
-
-    Args:
-        model: A compiled ``keras.Model`` with a single loss.
-        **step_options: Keyword arguments of :func:`build_train_step`.
-
-    Returns:
-        ``model`` itself.
-    """
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise ValueError("attach() needs a compiled model: call model.compile(optimizer=..., loss=...) first.")
-    if model.loss is None or isinstance(model.loss, (dict, list, tuple)):
-        raise NotImplementedError(
-            "attach() supports one compiled loss; for several outputs pass one callable that "
-            "combines them, or call effgrad.build_train_step directly."
-        )
-    step_options.setdefault("strategy", model.distribute_strategy)
-
-    def update_metrics(x, y, y_pred, sample_weight):
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    step = build_train_step(model, model.loss, model.optimizer, on_micro_batch=update_metrics, **step_options)
-
-    def train_step(data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        logs = step.replica_step(x, y, sample_weight)
-        tracker = getattr(model, "_loss_tracker", None)  # Keras' epoch-mean "loss"
-        if tracker is not None:
-            tracker.update_state(logs["loss"], sample_weight=accumulate.batch_size(x))
-        results = dict(model.get_metrics_result())
-        results.setdefault("loss", logs["loss"])
-        if not isinstance(step.loss_scale, loss_scale_lib.NoLossScale):
-            results["loss_scale"] = logs["loss_scale"]
-            results["grads_finite"] = tf.cast(logs["grads_finite"], tf.float32)
-        return results
-
-    original_make_train_function = model.make_train_function
-
-    def make_train_function(force=False):
-        if model.train_function is not None and not force:
-            return model.train_function
-        original_make_train_function(force=True)  # sets model.train_function
-        compiled = model.train_function
-
-        def train_function(iterator):
-            logs = compiled(iterator)
-            step._watch_loss_scale()  # Python side, between fit's steps
-            return logs
-
-        model.train_function = train_function
-        return train_function
-
-    model.train_step = train_step
-    model.make_train_function = make_train_function
-    model.effgrad_step = step
-    model.train_function = None  # rebuilt by the next fit()
-    return model
+    return TrainStep(model, loss, optimizer, **options)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from effgrad import distribute
 from effgrad.explain import methods as methods_lib
 from effgrad.explain import reductions
 from effgrad.explain.sinks import ArraySink, NpyFileSink, release_rows
@@ -205,10 +206,7 @@ class SaliencyJob:
             return self._replica_maps(x, indices, row_offset)
 
         def shard(x, indices, row_offset):
-            ctx = tf.distribute.get_replica_context()
-            n, r = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
-            rows = tf.shape(x)[0]
-            start, stop = (rows * r) // n, (rows * (r + 1)) // n
+            start, stop = distribute.replica_rows(tf.shape(x)[0])
             return self._replica_maps(x[start:stop], indices[start:stop], row_offset + tf.cast(start, tf.int64))
 
         per_replica = self.strategy.run(shard, args=(x, indices, row_offset))

@@ -1,0 +1,95 @@
+"""Every TensorFlow/Keras internal effgrad borrows, in one place, checked at import.
+
+effgrad needs a handful of non-public hooks (listed below, each with why). A
+TensorFlow or Keras release may rename any of them; effgrad must then fail
+loudly at import, naming the versions, instead of silently falling back to a
+path that computes something else (e.g. a second all-reduce that multiplies
+every multi-replica update by the number of replicas).
+
+Tested with TensorFlow 2.21 and Keras 3.15 (pinned in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+__all__ = [
+    "TESTED",
+    "get_keras_mask",
+    "get_stateless_scope",
+    "gradients_already_reduced",
+    "in_xla_context",
+    "optimization_barrier",
+    "squeeze_or_expand_to_same_rank",
+    "stop_recording",
+]
+
+TESTED = "TensorFlow 2.21 / Keras 3.15"
+
+
+def _missing(what: str, err: Exception) -> ImportError:
+    return ImportError(
+        f"effgrad relies on {what}, which TensorFlow {tf.__version__} / Keras {keras.__version__} "
+        f"does not provide ({type(err).__name__}: {err}). effgrad is tested with {TESTED}: install "
+        "those versions (pip install 'tensorflow>=2.21,<2.22' 'keras>=3.15,<3.16') or an effgrad "
+        "release made for your versions."
+    )
+
+
+try:
+    # Runs a checkpointed forward pass without recording it on any tape.
+    from tensorflow.python.eager.record import stop_recording
+    # Tells whether a graph is being compiled by XLA (the recompute guard differs).
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
+    # Keeps grappler from merging a recompute back into the forward pass.
+    from tensorflow.compiler.tf2xla.python.xla import optimization_barrier
+except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an untested TF
+    raise _missing("tensorflow.python.eager.record / control_flow_util / tf2xla xla ops", _err) from _err
+
+try:
+    # The enclosing StatelessScope: nested checkpoints see pending state writes.
+    from keras.src.backend import get_keras_mask, get_stateless_scope
+    # Keras's own rank alignment of sample weights and masks against losses.
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
+except (ImportError, AttributeError) as _err:  # pragma: no cover
+    raise _missing("keras.src backend / losses internals", _err) from _err
+
+if not callable(getattr(_TFOptimizer, "_all_reduce_sum_gradients", None)):  # pragma: no cover
+    raise _missing("keras TFOptimizer._all_reduce_sum_gradients", AttributeError("not found"))
+
+
+def in_xla_context() -> bool:
+    """True while tracing inside a function compiled with XLA."""
+    return bool(_in_xla(tf.compat.v1.get_default_graph()))
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """Stops a Keras optimizer from summing gradients across replicas again.
+
+    Keras's TF optimizer all-reduces the gradients given to ``apply()`` in
+    replica context. effgrad's gradients are already the step's one
+    cross-replica sum (needed before the finiteness check and the clipping),
+    so a second sum would multiply them by the number of replicas. The
+    override is an instance attribute that exists only while ``apply()`` runs.
+
+    Raises:
+        TypeError: the optimizer is not a Keras TensorFlow optimizer, so there
+            is no known way to keep it from reducing a second time.
+    """
+    if not isinstance(optimizer, _TFOptimizer):
+        raise TypeError(
+            f"{type(optimizer).__name__} is not a Keras optimizer of the TensorFlow backend; effgrad "
+            "cannot stop it from all-reducing gradients a second time. Use a keras.optimizers.Optimizer "
+            "with KERAS_BACKEND=tensorflow."
+        )
+    # object.__setattr__: a plain instance attribute, no Keras tracking.
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "_all_reduce_sum_gradients")

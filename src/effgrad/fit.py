@@ -1,0 +1,143 @@
+"""``effgrad.attach``: Keras's ``model.fit`` trains with an effgrad step.
+
+``attach`` replaces ``model.train_step`` with :meth:`TrainStep.replica_step`
+built from what ``compile`` was given, so ``fit`` trains exactly what stock
+``fit`` trains:
+
+* the compiled loss with ITS reduction (Keras's default for its losses is
+  ``"sum_over_batch_size"``), computed over the whole batch;
+* sample weights and Keras masks on ``y_pred`` weighted as ``Loss.__call__``
+  weights them;
+* the compiled optimizer; under ``mixed_float16`` ``compile`` wraps it in a
+  ``LossScaleOptimizer``: effgrad applies through the inner optimizer and
+  keeps its dynamic scale in the wrapper's variables, so there is one loss
+  scale and ``model.save`` / ``ModelCheckpoint`` store its state;
+* the compiled metrics, updated once per micro-batch; ``jit_compile``.
+
+Calling ``compile`` again after ``attach`` is followed: the next ``fit``
+attaches again with the new loss, optimizer and metrics and the same options.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from effgrad import accumulate, losses
+from effgrad import loss_scale as loss_scale_lib
+from effgrad.step import StepOptions, TrainStep
+
+__all__ = ["attach"]
+
+
+def _needs_dynamic_scale(model, option) -> bool:
+    return option == "dynamic" or (option == "auto" and loss_scale_lib.computes_in_float16(model))
+
+
+def _keep_scale_state_in_optimizer(model) -> None:
+    """Wraps the compiled optimizer in a Keras ``LossScaleOptimizer`` (as ``compile`` does for float16).
+
+    Its variables then hold effgrad's dynamic scale, and ``model.save``
+    stores them; the compile config names the wrapper so ``load_model``
+    rebuilds the same optimizer and restores them.
+    """
+    wrapped = keras.optimizers.LossScaleOptimizer(model.optimizer)
+    model.optimizer = wrapped
+    config = getattr(model, "_compile_config", None)
+    if config is not None and isinstance(getattr(config, "config", None), dict):
+        config.config["optimizer"] = wrapped
+
+
+def attach(model: keras.Model, **step_options) -> keras.Model:
+    """Makes ``model.fit`` train with an effgrad step (after ``model.compile``).
+
+    Uses the compiled loss (and its reduction), optimizer and metrics; metrics
+    are updated once per micro-batch, and ``loss_scale`` shows in the logs
+    when scaling is on.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        >>> model = effgrad.attach(model, micro_batches=4)
+        >>> history = model.fit(np.ones((32, 4)), np.zeros((32, 1)), batch_size=16, verbose=0)
+        >>> model.effgrad_step.micro_batches
+        4
+
+    Args:
+        model: A compiled ``keras.Model`` with a single loss.
+        **step_options: Keyword options of :func:`effgrad.build_train_step`;
+            ``reduction`` defaults to the compiled loss's, ``strategy`` to
+            the model's, ``jit_compile`` to ``compile``'s.
+
+    Returns:
+        ``model`` itself.
+
+    Trap:
+        Re-attach after loading a saved model (``keras.models.load_model``
+        restores the weights, optimizer and loss-scale state, not the
+        ``attach``).
+    """
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError("attach() needs a compiled model: call model.compile(optimizer=..., loss=...) first.")
+    if model.loss is None or isinstance(model.loss, (dict, list, tuple)):
+        raise NotImplementedError(
+            "attach() supports one compiled loss; for several outputs pass one callable that "
+            "combines them, or call effgrad.build_train_step directly."
+        )
+    given = dict(step_options)
+    StepOptions(**given)  # every bad option is refused before the model is touched
+    options = {
+        "strategy": model.distribute_strategy,
+        "reduction": losses.reduction_of(model.loss),
+        "jit_compile": bool(model.jit_compile),
+        **given,
+    }
+    if _needs_dynamic_scale(model, options.get("loss_scale", "auto")) and not isinstance(
+        model.optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        _keep_scale_state_in_optimizer(model)
+
+    def update_metrics(x, y, y_pred, sample_weight):
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    step = TrainStep(model, model.loss, model.optimizer, on_micro_batch=update_metrics, **options)
+    compiled_with = model._compile_config
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        logs = step.replica_step(x, y, sample_weight)
+        tracker = getattr(model, "_loss_tracker", None)  # Keras's epoch-mean "loss"
+        if tracker is not None:
+            tracker.update_state(logs["loss"], sample_weight=accumulate.batch_size(x))
+        results = dict(model.get_metrics_result())
+        results.setdefault("loss", logs["loss"])
+        if not isinstance(step.loss_scale, loss_scale_lib.NoLossScale):
+            results["loss_scale"] = logs["loss_scale"]
+            results["grads_finite"] = tf.cast(logs["grads_finite"], tf.float32)
+        return results
+
+    original_make_train_function = type(model).make_train_function
+
+    def make_train_function(force=False):
+        if model._compile_config is not compiled_with:
+            # compile() was called again: train the new configuration, never the old one.
+            attach(model, **given)
+            return model.make_train_function(force=True)
+        if model.train_function is not None and not force:
+            return model.train_function
+        original_make_train_function(model, force=True)  # sets model.train_function
+        compiled = model.train_function
+
+        def train_function(iterator):
+            logs = compiled(iterator)
+            step.watch_loss_scale()  # Python side, between fit's steps
+            return logs
+
+        model.train_function = train_function
+        return train_function
+
+    model.train_step = train_step
+    model.make_train_function = make_train_function
+    model.effgrad_step = step
+    model.train_function = None  # rebuilt by the next fit()
+    return model
