@@ -21,13 +21,16 @@ def plot_all() -> list:
     written = []
     acc = _load("accumulation")
     if acc:
-        batches = sorted({r["batch"] for r in acc["rows"]})
-        fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
-        for ax, batch in zip(axes[0], batches):
-            for method, style in (("effgrad", "o-"), ("keras_gradient_accumulation_steps", "s--")):
-                rows = [r for r in acc["rows"] if r["batch"] == batch and (r["method"] == method or r["k"] == 1)]
-                ax.plot([r["k"] for r in rows], [r["training_mib"] for r in rows], style, label=method)
-            ax.set(xscale="log", xlabel="micro-batches k", ylabel="training MiB", title=f"effective batch {batch}")
+        groups = sorted({(r["batch"], r["optimizer"]) for r in acc["rows"]})
+        fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+        for ax, (batch, opt) in zip(axes[0], groups):
+            rows = [r for r in acc["rows"] if r["batch"] == batch and r["optimizer"] == opt]
+            for prefix, style in (("effgrad", "o-"), ("keras", "s--")):
+                mine = [r for r in rows if r["method"].startswith(prefix)]
+                ax.plot([r["k"] for r in mine], [r["peak_mib"] for r in mine], style, label=prefix)
+            floor = [r for r in rows if r["method"].startswith("effgrad")]
+            ax.plot([r["k"] for r in floor], [r["floor_mib"] for r in floor], ":", color="gray", label="floor")
+            ax.set(xscale="log", xlabel="micro-batches k", ylabel="peak MiB", title=f"batch {batch}, {opt}")
             ax.legend(fontsize=7)
         written.append(_save(fig, plt, "accumulation_memory.png"))
     ckpt = _load("checkpointing")

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
@@ -17,8 +18,11 @@ def _data(rng, batch, zeros=(0,)):
     return x, y, w
 
 
-def _compare(rng, micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularizer=None):
+def _compare(
+    rng, micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularizer=None, weighted=True
+):
     x, y, w = _data(rng, batch, zeros=(0, 3))
+    w = w if weighted else None
     reference, model = mlp(regularizer=regularizer), mlp(regularizer=regularizer)
     ref_opt, opt = optimizer(learning_rate=0.1), optimizer(learning_rate=0.1)
     expected = plain_step(reference, keras.losses.mean_squared_error, ref_opt, x, y, w)
@@ -32,25 +36,98 @@ def _compare(rng, micro_batches, batch, jit_compile=False, optimizer=keras.optim
     return step
 
 
+# Every equivalence runs with and without sample weights: a normalizer
+# computed wrongly only in the unweighted path once passed weighted tests.
+weighted = pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+
+
+@weighted
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("batch", [1, 4, 13, 16])
-def test_accumulated_update_equals_full_batch(rng, micro_batches, batch):
-    _compare(rng, micro_batches, batch)
+def test_accumulated_update_equals_full_batch(rng, micro_batches, batch, weighted):
+    _compare(rng, micro_batches, batch, weighted=weighted)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3, 8])
-def test_accumulated_update_equals_full_batch_under_xla(rng, micro_batches):
-    _compare(rng, micro_batches, 13, jit_compile=True)
+@weighted
+@pytest.mark.parametrize("micro_batches", [1, 3, 4, 8])
+def test_accumulated_update_equals_full_batch_under_xla(rng, micro_batches, weighted):
+    _compare(rng, micro_batches, 16 if micro_batches == 4 else 13, jit_compile=True, weighted=weighted)
+
+
+@weighted
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_adam_slots_equal_full_batch(rng, jit_compile, weighted):
+    _compare(rng, 5, 13, jit_compile=jit_compile, optimizer=keras.optimizers.Adam, weighted=weighted)
+
+
+@weighted
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_kernel_regularizer_counted_once(rng, micro_batches, weighted):
+    _compare(rng, micro_batches, 11, regularizer=keras.regularizers.L2(0.05), weighted=weighted)
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_adam_slots_equal_full_batch(rng, jit_compile):
-    _compare(rng, 5, 13, jit_compile=jit_compile, optimizer=keras.optimizers.Adam)
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+@weighted
+def test_keras_reductions_computed_over_the_whole_batch(rng, reduction, micro_batches, jit_compile, weighted):
+    """Keras's own Loss.__call__ on the whole batch is the reference for each reduction name."""
+    batch, steps = 7, 5
+    x = rng.normal(size=(batch, steps, 4)).astype("float32")
+    y = rng.integers(0, 6, size=(batch, steps))
+    w = (rng.uniform(size=(batch, steps)) > 0.3).astype("float32") * 1.5 if weighted else None
+    keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    reference, model = sequence_model(), sequence_model()
+    with tf.GradientTape() as tape:
+        expected = keras_loss(y, reference(x, training=True), sample_weight=w)
+    keras.optimizers.SGD(0.5).apply(
+        tape.gradient(expected, reference.trainable_variables), reference.trainable_variables
+    )
+    step = effgrad.build_train_step(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.5),
+        micro_batches=micro_batches,
+        jit_compile=jit_compile,
+        reduction=reduction,
+    )
+    np.testing.assert_allclose(float(step(x, y, w)["loss"]), float(expected), rtol=1e-5)
+    assert_variables_close(model.trainable_variables, reference.trainable_variables)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 4])
-def test_kernel_regularizer_counted_once(rng, micro_batches):
-    _compare(rng, micro_batches, 11, regularizer=keras.regularizers.L2(0.05))
+def test_unknown_reduction_is_refused():
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(), reduction="none")
+
+
+class _WithUnusedWeight(keras.layers.Layer):
+    """A Dense-like layer with a trainable weight that never reaches its output (an unused head)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 3), initializer="glorot_uniform")
+        self.unused = self.add_weight(shape=(4,), initializer="ones")
+
+    def call(self, x):
+        return x @ self.kernel
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_variable_that_does_not_reach_the_loss_is_left_alone(rng, micro_batches):
+    """BERT's unused pooler, a multi-head model: no crash, no update, as in Keras."""
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((5,)), _WithUnusedWeight()])
+
+    model, reference = make(), make()
+    x, y, _ = _data(rng, 10)
+    opt = keras.optimizers.Adam(0.1)
+    with pytest.warns(UserWarning, match="do not reach"):
+        effgrad.build_train_step(model, "mse", opt, micro_batches=micro_batches)(x, y)
+    plain_step(reference, keras.losses.mean_squared_error, keras.optimizers.Adam(0.1), x, y)
+    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+    np.testing.assert_array_equal(model.layers[0].unused.numpy(), np.ones(4))
+    assert int(opt.iterations.numpy()) == 1
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

@@ -211,3 +211,28 @@ def test_fit_shows_loss_scale_and_skips_bad_steps(rng):
     assert float(ls.value) == 2.0**7
     assert int(model.optimizer.iterations.numpy()) == 2
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+def test_float16_gradients_that_underflow_without_scaling_survive_with_it(rng):
+    """A loss scale of 1 is a no-op: these gradients are below float16's smallest subnormal (6e-8)."""
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32") * 0.01
+
+    def tiny_loss(y_true, y_pred):  # d loss / d y_pred ~ 1e-8 per element
+        return 1e-5 * keras.losses.mean_squared_error(y_true, y_pred)
+
+    def update(policy, loss_scale):
+        keras.config.set_dtype_policy(policy)
+        model = mlp(seed=3)
+        before = model.trainable_variables[0].numpy().copy()
+        step = effgrad.build_train_step(model, tiny_loss, keras.optimizers.SGD(1e3), loss_scale=loss_scale)
+        step(x, y)
+        keras.config.set_dtype_policy("float32")
+        return model.trainable_variables[0].numpy() - before
+
+    reference = update("float32", None)
+    assert np.abs(reference).max() > 1e-4
+    unscaled = update("mixed_float16", None)
+    scaled = update("mixed_float16", "auto")
+    assert np.abs(unscaled).max() == 0.0  # underflow: every float16 gradient flushed to zero
+    np.testing.assert_allclose(scaled, reference, rtol=0.05, atol=0.02 * np.abs(reference).max())

@@ -1,5 +1,10 @@
 """effgrad.memory.measure sees what a call allocates."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import tensorflow as tf
 
 import effgrad
@@ -20,3 +25,24 @@ def test_peak_grows_with_a_known_allocation():
     assert all(r.peak_bytes >= r.extra_bytes for r in reports)
     assert reports[0].device in ("CPU:0", "GPU:0")
     assert 0 < float(reports[0].result) < 1_000_000
+
+
+def test_no_allocator_statistics_is_an_error_not_zero():
+    """TensorFlow imported and used before effgrad, without TF_CPU_ALLOCATOR_USE_BFC: say so."""
+    code = textwrap.dedent(
+        """
+        import tensorflow as tf
+        tf.ones([1000]).numpy()           # TensorFlow's CPU allocator is chosen here, without statistics
+        import effgrad
+        try:
+            report = effgrad.memory.measure(lambda: tf.ones([100_000]) * 2)
+        except RuntimeError as err:
+            print("ERROR", err)
+        else:
+            print("PEAK", report.peak_bytes)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert out.startswith("ERROR") and "TF_CPU_ALLOCATOR_USE_BFC" in out, out

@@ -35,3 +35,26 @@ def test_attributes(rng):
     logs = step(rng.normal(size=(4, 5)).astype("float32"), rng.normal(size=(4, 3)).astype("float32"))
     assert set(logs) >= {"loss", "loss_scale", "grads_finite"}
     assert float(logs["loss_scale"]) == 1.0 and bool(logs["grads_finite"])
+
+
+class _TraceCounter(keras.layers.Layer):
+    """Counts how often its call is traced (Python runs only while tracing a graph)."""
+
+    traces = 0
+
+    def call(self, x):
+        type(self).traces += 1
+        return x
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_model_is_traced_once_per_step_trace(rng, micro_batches):
+    """The micro-batch loop traces the model once, like the plain step (no peeled copy without XLA)."""
+    _TraceCounter.traces = 0
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), _TraceCounter(), keras.layers.Dense(3)])
+    model(np.zeros((1, 5), "float32"))  # build: one eager call
+    built_calls = _TraceCounter.traces
+    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.01), micro_batches=micro_batches)
+    step(rng.normal(size=(10, 5)).astype("float32"), rng.normal(size=(10, 3)).astype("float32"))
+    assert _TraceCounter.traces - built_calls == 1

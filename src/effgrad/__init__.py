@@ -21,8 +21,8 @@ with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nu
     from effgrad import memory
     from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential
     from effgrad.explain import saliency, saliency_summary
-    from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
     from effgrad.fit import attach
+    from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
     from effgrad.step import StepOptions, TrainStep, build_train_step
 
 __version__ = "0.1.0"

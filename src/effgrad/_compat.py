@@ -41,20 +41,22 @@ def _missing(what: str, err: Exception) -> ImportError:
 
 try:
     # Runs a checkpointed forward pass without recording it on any tape.
-    from tensorflow.python.eager.record import stop_recording
-    # Tells whether a graph is being compiled by XLA (the recompute guard differs).
-    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
     # Keeps grappler from merging a recompute back into the forward pass.
     from tensorflow.compiler.tf2xla.python.xla import optimization_barrier
+    from tensorflow.python.eager.record import stop_recording
+
+    # Tells whether a graph is being compiled by XLA (the recompute guard differs).
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
 except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an untested TF
     raise _missing("tensorflow.python.eager.record / control_flow_util / tf2xla xla ops", _err) from _err
 
 try:
     # The enclosing StatelessScope: nested checkpoints see pending state writes.
     from keras.src.backend import get_keras_mask, get_stateless_scope
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
+
     # Keras's own rank alignment of sample weights and masks against losses.
     from keras.src.losses.loss import squeeze_or_expand_to_same_rank
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
 except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
 

@@ -101,4 +101,13 @@ def measure(fn: Callable, *args, device: str | None = None, **kwargs) -> MemoryR
     result = fn(*args, **kwargs)
     _block_until_ready(result)
     peak = _memory_info(device)["peak"]
+    if peak == 0:
+        # A call that returns tensors allocated something: a zero peak means
+        # the allocator keeps no statistics (on CPU: TensorFlow allocated its
+        # first tensor before TF_CPU_ALLOCATOR_USE_BFC was set), not "free".
+        raise RuntimeError(
+            f"TensorFlow recorded no allocations on {device}, so there is no peak to report. On CPU "
+            "allocator statistics need TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow allocates its "
+            "first tensor: import effgrad before tensorflow, or export the variable."
+        )
     return MemoryReport(peak_bytes=int(peak), extra_bytes=int(peak - base), device=device, result=result)

@@ -1,0 +1,94 @@
+"""MemoryMonitor logs memory per epoch and warns on growth and retracing, not on a clean fit."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import effgrad
+from helpers import mlp
+
+
+def _data(n=256):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+class _KeepsOutputs(keras.callbacks.Callback):
+    """The classic leak: device tensors appended to a Python list every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.kept.append(keras.ops.ones((256, 1024)))  # 1 MiB on the device, never released
+
+
+def _fit(model, callbacks, epochs=5, x=None, y=None, batch_size=32):
+    x, y = (x, y) if x is not None else _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0, callbacks=callbacks)
+    return history, [str(w.message) for w in caught if "MemoryMonitor" in str(w.message)]
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_clean_fit_logs_memory_and_does_not_warn(attached):
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    if attached:
+        effgrad.attach(model, micro_batches=2)
+    monitor = effgrad.MemoryMonitor()
+    history, messages = _fit(model, [monitor])
+    assert messages == []
+    for key in ("memory_current_mib", "memory_peak_mib", "host_rss_mib", "train_traces"):
+        assert len(history.history[key]) == 5, key
+    assert all(v > 0 for v in history.history["memory_peak_mib"])
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_tensors_kept_in_a_list_trigger_one_growth_warning(attached):
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    if attached:
+        effgrad.attach(model, micro_batches=2)
+    leak = _KeepsOutputs()
+    history, messages = _fit(model, [leak, effgrad.MemoryMonitor(growth_mib=4)])
+    growth = [m for m in messages if "keeps growing" in m]
+    assert len(growth) == 1 and "Python list" in growth[0]
+    current = history.history["memory_current_mib"]
+    assert current[-1] - current[0] > 16  # 8 batches x 1 MiB per epoch
+
+
+def test_retracing_after_the_first_epoch_warns():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = effgrad.MemoryMonitor()
+    x, y = _data(64)
+    _, first = _fit(model, [monitor], epochs=1, x=x, y=y, batch_size=32)
+    _, messages = _fit(model, [monitor], epochs=1, x=x, y=y, batch_size=16)  # a new batch shape: a new trace
+    assert first == []
+    assert any("traced again" in m for m in messages)
+
+
+def test_every_n_batches_logs_into_batch_logs():
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append("memory_current_mib" in (logs or {}))
+
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    _fit(model, [effgrad.MemoryMonitor(every_n_batches=2), Spy()], epochs=1)
+    assert seen == [False, True] * 4
+
+
+def test_plot_history(tmp_path):
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    history, _ = _fit(model, [effgrad.MemoryMonitor()], epochs=2)
+    effgrad.diagnostics.plot_history(history, path=tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 1000

@@ -1,0 +1,59 @@
+"""The step never uses more memory than the Keras feature it replaces (fresh process per measurement)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import effgrad, keras, numpy as np, tensorflow as tf
+    method, k = sys.argv[1], int(sys.argv[2])
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(512, activation="gelu") for _ in range(8)])
+    x = tf.random.normal([2048, 512]); y = tf.random.normal([2048, 512])
+    if method == "effgrad":
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(1e-3), micro_batches=k)
+        run = lambda: step(x, y)["loss"]
+    else:
+        opt = keras.optimizers.SGD(1e-3, gradient_accumulation_steps=k if k > 1 else None)
+        model.compile(optimizer=opt, loss="mse")
+        rows = 2048 // k
+        run = lambda: [model.train_on_batch(x[i:i + rows], y[i:i + rows]) for i in range(0, 2048, rows)][-1]
+    run()
+    print("@@" + json.dumps(effgrad.memory.measure(run).peak_bytes))
+    """
+)
+
+
+def _peak(method: str, k: int) -> int:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, method, str(k)], capture_output=True, text=True, env=env, timeout=300
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    raise AssertionError(proc.stderr[-3000:])
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    return {(m, k): _peak(m, k) for m, k in [("effgrad", 1), ("keras", 1), ("effgrad", 8), ("keras", 8)]}
+
+
+def test_plain_step_peak_is_at_most_keras_train_on_batch(peaks):
+    assert peaks["effgrad", 1] <= 1.05 * peaks["keras", 1], peaks
+
+
+def test_accumulation_peak_is_at_most_keras_gradient_accumulation(peaks):
+    """In-place accumulation: a loop-carried accumulator keeps ~3 gradient buffers and fails this."""
+    assert peaks["effgrad", 8] <= 1.05 * peaks["keras", 8], peaks
+
+
+def test_micro_batches_lower_the_peak(peaks):
+    assert peaks["effgrad", 8] <= 0.7 * peaks["effgrad", 1], peaks
