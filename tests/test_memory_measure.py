@@ -31,11 +31,11 @@ def test_no_allocator_statistics_is_an_error_not_zero():
     """TensorFlow imported and used before effgrad, without TF_CPU_ALLOCATOR_USE_BFC: say so."""
     code = textwrap.dedent(
         """
-        import tensorflow as tf
-        tf.ones([1000]).numpy()           # TensorFlow's CPU allocator is chosen here, without statistics
-        import effgrad
+        import tensorflow as tf            # before effgrad: no TF_CPU_ALLOCATOR_USE_BFC
+        import effgrad, keras
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
         try:
-            report = effgrad.memory.measure(lambda: tf.ones([100_000]) * 2)
+            report = effgrad.memory.measure(lambda: model(tf.ones([256, 64])))
         except RuntimeError as err:
             print("ERROR", err)
         else:

@@ -18,8 +18,9 @@ if "tensorflow" not in _sys.modules:
 # Importing everything here registers effgrad's Keras layers, so a .keras file
 # that contains them loads after a plain `import effgrad`.
 with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
-    from effgrad import memory
+    from effgrad import diagnostics, memory
     from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential
+    from effgrad.diagnostics import MemoryMonitor
     from effgrad.explain import saliency, saliency_summary
     from effgrad.fit import attach
     from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
@@ -31,6 +32,7 @@ __all__ = [
     "Checkpoint",
     "DynamicLossScale",
     "LossScale",
+    "MemoryMonitor",
     "NoLossScale",
     "StaticLossScale",
     "StepOptions",
@@ -39,6 +41,7 @@ __all__ = [
     "build_train_step",
     "checkpoint",
     "checkpoint_sequential",
+    "diagnostics",
     "memory",
     "saliency",
     "saliency_summary",

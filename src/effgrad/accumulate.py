@@ -85,6 +85,7 @@ def accumulate_gradients(
     carry,
     accumulators: Sequence[tf.Variable] | None = None,
     static_shapes: bool = False,
+    on_gradients: Callable | None = None,
 ):
     """Sums ``micro_step``'s gradients over micro-batches.
 
@@ -99,6 +100,9 @@ def accumulate_gradients(
         accumulators: ``make_accumulators(variables)``; required when ``k > 1``.
             They must hold zeros on entry.
         static_shapes: Keep every slice's shape static (XLA).
+        on_gradients: Optional ``(grads, carry) -> carry`` called with each
+            micro-batch's gradients as they arrive (e.g. to sum their squared
+            norms), before they are added to the accumulators.
 
     Returns:
         ``(grads, carry)``: ``grads[j]`` is the summed gradient of variable
@@ -110,7 +114,10 @@ def accumulate_gradients(
     def differentiate(batch_i, carry):
         with tf.GradientTape() as tape:
             objective, carry = micro_step(batch_i, carry)
-        return tape.gradient(objective, variables), carry
+        grads = tape.gradient(objective, variables)
+        if on_gradients is not None:
+            carry = on_gradients(grads, carry)
+        return grads, carry
 
     if micro_batches == 1:  # no loop, no slicing: exactly the plain step
         return differentiate(batch, carry)

@@ -114,6 +114,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         if not isinstance(step.loss_scale, loss_scale_lib.NoLossScale):
             results["loss_scale"] = logs["loss_scale"]
             results["grads_finite"] = tf.cast(logs["grads_finite"], tf.float32)
+        results.update({k: v for k, v in logs.items() if k.startswith("noise_scale")})
         return results
 
     original_make_train_function = type(model).make_train_function
