@@ -64,6 +64,25 @@ def plot_all() -> list:
                 ax.set(xscale="log", xlabel="examples N", ylabel=key)
         axes[0].legend(fontsize=7)
         written.append(_save(fig, plt, "saliency_scaling.png"))
+    diag = _load("diagnostics")
+    if diag:
+        extra = diag["config"]
+        steps = extra["trajectory"]
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        ax.plot([r["step"] for r in steps], [r["noise_scale"] for r in steps], label="B_simple (noise scale)")
+        ax.set(xlabel="step", ylabel="B_simple", title="digits CNN, batch 256, micro_batches=8")
+        loss_ax = ax.twinx()
+        loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="gray", lw=0.8, label="loss")
+        loss_ax.set(ylabel="loss")
+        fig.legend(fontsize=7, loc="upper center")
+        written.append(_save(fig, plt, "noise_scale.png"))
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for name, style in (("clean", "o-"), ("leaking", "s--")):
+            values = extra["monitor"][name]["memory_current_mib"]
+            ax.plot(range(1, len(values) + 1), values, style, label=f"{name} fit")
+        ax.set(xlabel="epoch", ylabel="device MiB in use at epoch end", title="effgrad.MemoryMonitor")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, plt, "memory_monitor.png"))
     return written
 
 

@@ -24,6 +24,13 @@ def _fresh_keras_state():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(scope="session")
+def strategy():
+    """ONE MirroredStrategy over the two logical CPUs for the whole session: a second one in the
+    same process reuses collective instance keys and TensorFlow aborts (measured on TF 2.21)."""
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -20,7 +20,15 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for suite in ("accumulation", "loss_scaling", "checkpointing", "segments", "distributed", "saliency"):
+    for suite in (
+        "accumulation",
+        "loss_scaling",
+        "diagnostics",
+        "checkpointing",
+        "segments",
+        "distributed",
+        "saliency",
+    ):
         payload = json.loads((tmp_path / f"{suite}.json").read_text())
         assert payload["environment"]["tensorflow"] and payload["environment"]["cpu"]
         assert payload["rows"], suite
@@ -34,5 +42,7 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         "checkpointing_tradeoff.png",
         "checkpointing_segments.png",
         "saliency_scaling.png",
+        "noise_scale.png",
+        "memory_monitor.png",
     ):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"

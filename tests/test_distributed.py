@@ -17,11 +17,6 @@ from conftest import assert_variables_close
 from helpers import mlp, plain_step, sequence_model
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-
-
 def _replica_values(variable, strategy):
     return [t.numpy() for t in strategy.experimental_local_results(variable.value)]
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from effgrad import distribute
+from effgrad import _checks, distribute
 from effgrad.explain import methods as methods_lib
 from effgrad.explain import reductions
 from effgrad.explain.sinks import ArraySink, NpyFileSink, release_rows
@@ -326,8 +326,7 @@ def _plan(
     """Validates everything and builds the job; no output is touched."""
     reductions.check(reduce)
     method = methods_lib.get(method, **method_options)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+    batch_size = _checks.positive_int(batch_size, "batch_size")
     if np.dtype(dtype) not in (np.float32, np.float16):
         raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}.")
     source = _source(inputs, int(batch_size), num_examples)

@@ -23,6 +23,8 @@ import hashlib
 import numpy as np
 import tensorflow as tf
 
+from effgrad import _checks
+
 __all__ = ["SaliencyMethod", "Gradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "get", "METHODS"]
 
 
@@ -108,8 +110,7 @@ class SmoothGrad(SaliencyMethod):
     def __init__(self, **options):
         super().__init__(**options)
         samples, noise = self.options["samples"], self.options["noise"]
-        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 1:
-            raise ValueError(f"smoothgrad samples must be an int >= 1, got {samples!r}.")
+        self.options["samples"] = _checks.positive_int(samples, "smoothgrad samples")
         if not isinstance(noise, (int, float)) or noise < 0:
             raise ValueError(f"smoothgrad noise must be a number >= 0 (a fraction of the value range), got {noise!r}.")
 
@@ -148,8 +149,7 @@ class IntegratedGradients(SaliencyMethod):
     def __init__(self, **options):
         super().__init__(**options)
         steps = self.options["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise ValueError(f"integrated_gradients steps must be an int >= 1, got {steps!r}.")
+        self.options["steps"] = _checks.positive_int(steps, "integrated_gradients steps")
         if self.options["baseline"] is not None:
             self.options["baseline"] = np.asarray(self.options["baseline"], dtype="float32")
 
