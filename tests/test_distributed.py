@@ -21,11 +21,13 @@ def _replica_values(variable, strategy):
     return [t.numpy() for t in strategy.experimental_local_results(variable.value)]
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
 @pytest.mark.parametrize("micro_batches", [1, 3])
-def test_mirrored_step_equals_single_device_full_batch(strategy, rng, micro_batches):
+def test_mirrored_step_equals_single_device_full_batch(strategy, rng, micro_batches, weighted):
     x = rng.normal(size=(11, 5)).astype("float32")  # 6 rows on one replica, 5 on the other
     y = rng.normal(size=(11, 3)).astype("float32")
     w = np.concatenate([rng.uniform(0, 0.2, 6), rng.uniform(1, 3, 5)]).astype("float32")  # uneven per replica
+    w = w if weighted else None
     reference = mlp()
     plain_step(reference, keras.losses.mean_squared_error, keras.optimizers.Adam(0.1), x, y, w)
     with strategy.scope():

@@ -34,12 +34,15 @@ def _fit(model, callbacks, epochs=5, x=None, y=None, batch_size=32):
     return history, [str(w.message) for w in caught if "MemoryMonitor" in str(w.message)]
 
 
-@pytest.mark.parametrize("attached", [False, True])
-def test_clean_fit_logs_memory_and_does_not_warn(attached):
+def _compiled(attached: bool):
     model = mlp()
     model.compile(optimizer="adam", loss="mse")
-    if attached:
-        effgrad.attach(model, micro_batches=2)
+    return effgrad.attach(model, micro_batches=2) if attached else model
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_clean_fit_logs_memory_and_does_not_warn(attached):
+    model = _compiled(attached)
     monitor = effgrad.MemoryMonitor()
     history, messages = _fit(model, [monitor])
     assert messages == []
@@ -50,10 +53,7 @@ def test_clean_fit_logs_memory_and_does_not_warn(attached):
 
 @pytest.mark.parametrize("attached", [False, True])
 def test_tensors_kept_in_a_list_trigger_one_growth_warning(attached):
-    model = mlp()
-    model.compile(optimizer="adam", loss="mse")
-    if attached:
-        effgrad.attach(model, micro_batches=2)
+    model = _compiled(attached)
     leak = _KeepsOutputs()
     history, messages = _fit(model, [leak, effgrad.MemoryMonitor(growth_mib=4)])
     growth = [m for m in messages if "keeps growing" in m]

@@ -18,11 +18,13 @@ import tensorflow as tf
 
 __all__ = [
     "TESTED",
+    "compile_state",
     "get_keras_mask",
     "get_stateless_scope",
     "gradients_already_reduced",
     "in_xla_context",
     "optimization_barrier",
+    "set_compiled_optimizer",
     "squeeze_or_expand_to_same_rank",
     "stop_recording",
 ]
@@ -95,3 +97,23 @@ def gradients_already_reduced(optimizer):
         yield
     finally:
         object.__delattr__(optimizer, "_all_reduce_sum_gradients")
+
+
+def compile_state(model):
+    """What Keras's ``compile()`` creates anew on every call (the model's compile config).
+
+    ``effgrad.attach`` compares it by identity to notice a recompile.
+    """
+    try:
+        return model._compile_config
+    except AttributeError as err:
+        raise _missing("keras Model._compile_config (set by compile())", err) from err
+
+
+def set_compiled_optimizer(model, optimizer) -> None:
+    """Makes ``optimizer`` the model's optimizer, also in the compile config ``model.save`` writes."""
+    model.optimizer = optimizer
+    config = getattr(compile_state(model), "config", None)
+    if not isinstance(config, dict) or "optimizer" not in config:
+        raise _missing("keras SerializableDict.config['optimizer'] in the compile config", KeyError("optimizer"))
+    config["optimizer"] = optimizer

@@ -23,7 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from effgrad import accumulate, losses
+from effgrad import _compat, accumulate, losses
 from effgrad import loss_scale as loss_scale_lib
 from effgrad.step import StepOptions, TrainStep
 
@@ -41,11 +41,7 @@ def _keep_scale_state_in_optimizer(model) -> None:
     stores them; the compile config names the wrapper so ``load_model``
     rebuilds the same optimizer and restores them.
     """
-    wrapped = keras.optimizers.LossScaleOptimizer(model.optimizer)
-    model.optimizer = wrapped
-    config = getattr(model, "_compile_config", None)
-    if config is not None and isinstance(getattr(config, "config", None), dict):
-        config.config["optimizer"] = wrapped
+    _compat.set_compiled_optimizer(model, keras.optimizers.LossScaleOptimizer(model.optimizer))
 
 
 def attach(model: keras.Model, **step_options) -> keras.Model:
@@ -101,7 +97,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     step = TrainStep(model, model.loss, model.optimizer, on_micro_batch=update_metrics, **options)
-    compiled_with = model._compile_config
+    compiled_with = _compat.compile_state(model)
 
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -120,7 +116,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     original_make_train_function = type(model).make_train_function
 
     def make_train_function(force=False):
-        if model._compile_config is not compiled_with:
+        if _compat.compile_state(model) is not compiled_with:
             # compile() was called again: train the new configuration, never the old one.
             attach(model, **given)
             return model.make_train_function(force=True)
