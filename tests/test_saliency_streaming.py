@@ -56,6 +56,23 @@ def test_every_input_kind_and_sink_gives_the_same_maps(tmp_path, x):
     np.testing.assert_array_equal(np.load(tmp_path / "maps.npy"), expected)
 
 
+def test_copy_on_write_memmaps_keep_the_callers_edits_and_the_maps(tmp_path, rng):
+    """mode="c" pages are private memory: releasing them would revert edits to the file's zeros."""
+    n = 4000  # 1 MiB of inputs: many pages to release
+    np.save(tmp_path / "zeros.npy", np.zeros((n, 8, 8, 1), "float32"))
+    edited = np.load(tmp_path / "zeros.npy", mmap_mode="c")
+    values = rng.uniform(0.5, 1, size=edited.shape).astype("float32")
+    edited[:] = values  # the caller's in-memory edits, never written to the file
+    model = _model()
+    expected = effgrad.saliency(model, values, batch_size=256, reduce="abs_sum", progress=False)
+    np.save(tmp_path / "out.npy", np.zeros((n, 8, 8), "float32"))
+    out = np.load(tmp_path / "out.npy", mmap_mode="c")
+    got = effgrad.saliency(model, edited, batch_size=256, reduce="abs_sum", out=out, progress=False)
+    np.testing.assert_array_equal(np.asarray(edited), values)  # the inputs kept their edits
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6)  # the maps were not dropped
+    assert np.abs(np.asarray(out)).sum() > 0
+
+
 def test_resume_after_an_exception_skips_committed_rows(tmp_path, x):
     model = _model()
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)

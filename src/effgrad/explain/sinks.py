@@ -28,9 +28,18 @@ def release_rows(array: np.ndarray, stop_row: int) -> None:
     the finished ones keeps host memory flat in N. The data is safe: read
     pages are re-read from the file if touched again, and written pages are
     released only after ``flush``. A no-op for anything but a whole memmap.
+
+    Trap:
+        Never on a copy-on-write memmap (``mode="c"``, also what
+        ``np.load(path, mmap_mode="c")`` returns): its changed pages are
+        private memory, not the file, and ``MADV_DONTNEED`` would silently
+        revert them to the file's contents (the caller's edits to inputs,
+        effgrad's maps in an output buffer).
     """
     handle = getattr(array, "_mmap", None)
     if handle is None or not hasattr(handle, "madvise") or not array.flags.c_contiguous or stop_row <= 0:
+        return
+    if getattr(array, "mode", "c") not in ("r", "r+", "w+"):  # shared mappings only
         return
     start_in_map = array.offset % mmap.ALLOCATIONGRANULARITY
     end = start_in_map + stop_row * array.strides[0]
