@@ -175,3 +175,28 @@ def test_visualizations(tmp_path, data):
     assert div.min() >= -1 and div.max() <= 1
     png = visualize.save_grid(tmp_path / "grid.png", data[:6], maps[:6], titles=list(range(6)), columns=3)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _ForwardTraces(keras.layers.Layer):
+    """Counts how often the model's forward pass is traced into a graph."""
+
+    count = 0
+
+    def call(self, x):
+        if not tf.executing_eagerly():  # eager calls (output-size probing) are not the job's passes
+            type(self).count += 1
+        return x
+
+
+@pytest.mark.parametrize("method, forwards", [("gradient", 1), ("gradient_x_input", 1), ("smoothgrad", 2)])
+def test_default_target_reads_the_argmax_off_the_differentiated_pass(data, method, forwards):
+    """The arg-max needs no second forward pass when the score is taken at the input itself."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6, 6, 3)), _ForwardTraces(), keras.layers.Flatten(), keras.layers.Dense(4)])
+    model(data[:1])
+    _ForwardTraces.count = 0
+    options = {"samples": 2} if method == "smoothgrad" else {}
+    maps = effgrad.saliency(model, data, method=method, batch_size=8, progress=False, **options)
+    assert _ForwardTraces.count == forwards  # one trace of the job (SmoothGrad: + its clean arg-max pass)
+    if method == "gradient":
+        np.testing.assert_allclose(maps, _reference_gradients(model, data), rtol=1e-5, atol=1e-7)

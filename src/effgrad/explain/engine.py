@@ -190,10 +190,25 @@ class SaliencyJob:
 
         return score_fn
 
+    def _argmax_scores(self, chosen: list):
+        """The arg-max output's score, taken from the same forward pass that is differentiated."""
+
+        def score_fn(x):
+            flat = tf.reshape(tf.cast(self.model(x, training=False), tf.float32), [tf.shape(x)[0], -1])
+            indices = tf.stop_gradient(tf.cast(tf.argmax(flat, axis=-1), tf.int32))  # 0 for one output unit
+            chosen.append(indices)
+            return tf.gather(flat, indices, batch_dims=1)
+
+        return score_fn
+
     def _replica_maps(self, x, indices, row_offset):
+        if self.target_mode == "argmax" and self.method.scores_at_input:
+            chosen = []  # one forward pass per batch, not two
+            maps = self.method.attribute(self._argmax_scores(chosen), x, row_offset)
+            return tf.cast(reductions.reduce_map(maps, self.reduce), self.dtype), chosen[0]
         if self.target_mode == "fixed":
             indices = tf.fill([tf.shape(x)[0]], tf.constant(int(self.target), tf.int32))
-        elif self.target_mode == "argmax":
+        elif self.target_mode == "argmax":  # noisy/interpolated inputs: the target is the clean input's
             outputs = self.model(x, training=False)
             flat = tf.reshape(outputs, [tf.shape(x)[0], -1])
             indices = tf.cast(tf.argmax(flat, axis=-1), tf.int32)  # 0 for a single output unit

@@ -53,6 +53,10 @@ class SaliencyMethod:
 
     name = ""
     defaults: dict = {}
+    # True when attribute() evaluates score_fn exactly once, at x itself: the
+    # arg-max target can then be read off the differentiated forward pass
+    # instead of a second one.
+    scores_at_input = False
 
     def __init__(self, **options):
         unknown = set(options) - set(self.defaults)
@@ -80,6 +84,7 @@ class Gradient(SaliencyMethod):
     """Vanilla gradient (Simonyan et al., 2013)."""
 
     name = "gradient"
+    scores_at_input = True
 
     def attribute(self, score_fn, x, row_offset):
         return input_gradients(score_fn, x)
@@ -89,6 +94,7 @@ class GradientXInput(SaliencyMethod):
     """Gradient times input (Shrikumar et al., 2016)."""
 
     name = "gradient_x_input"
+    scores_at_input = True
 
     def attribute(self, score_fn, x, row_offset):
         return x * input_gradients(score_fn, x)
