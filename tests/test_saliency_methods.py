@@ -200,3 +200,17 @@ def test_default_target_reads_the_argmax_off_the_differentiated_pass(data, metho
     assert _ForwardTraces.count == forwards  # one trace of the job (SmoothGrad: + its clean arg-max pass)
     if method == "gradient":
         np.testing.assert_allclose(maps, _reference_gradients(model, data), rtol=1e-5, atol=1e-7)
+
+
+def test_no_reference_to_the_model_is_kept_and_jobs_are_bounded(data):
+    import gc
+    import weakref
+
+    model = _cnn()
+    for i in range(10):  # a new callable target per call: a new compiled job each time
+        effgrad.saliency(model, data, target=lambda out, i=i: out[:, i % 4], progress=False)
+    assert len(model._effgrad_saliency_jobs) <= 4
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None  # effgrad kept no reference: the model and its jobs are freed

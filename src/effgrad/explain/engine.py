@@ -17,6 +17,7 @@ therefore bounded by a couple of batches, whatever the number of examples.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -24,7 +25,6 @@ import queue
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,26 @@ from effgrad.explain.sinks import ArraySink, NpyFileSink, release_rows
 __all__ = ["saliency", "SaliencyJob"]
 
 _COMMIT_EVERY_SECONDS = 0.5
-_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {configuration: SaliencyJob}
+# Compiled jobs live ON the model (a plain attribute, not tracked by Keras):
+# effgrad itself keeps no reference, so a model and its jobs are freed
+# together. A few per model, most recent first: a new lambda target per call
+# must not grow memory without bound.
+_JOBS_ATTRIBUTE = "_effgrad_saliency_jobs"
+_JOBS_PER_MODEL = 4
+
+
+def _cached_job(model, key, make) -> SaliencyJob:
+    jobs = getattr(model, _JOBS_ATTRIBUTE, None)
+    if jobs is None:
+        jobs = collections.OrderedDict()
+        object.__setattr__(model, _JOBS_ATTRIBUTE, jobs)
+    if key in jobs:
+        jobs.move_to_end(key)
+    else:
+        jobs[key] = make()
+        while len(jobs) > _JOBS_PER_MODEL:
+            jobs.popitem(last=False)
+    return jobs[key]
 
 
 # ---------------------------------------------------------------- inputs
@@ -375,11 +394,13 @@ def _plan(
         source.dtype.name,
         id(strategy),
     )
-    jobs = _JOBS.setdefault(model, {})
-    if key not in jobs:
-        jobs[key] = SaliencyJob(
+    job = _cached_job(
+        model,
+        key,
+        lambda: SaliencyJob(
             model, method, reduce, target_mode, target, dtype, source.example_shape, source.dtype, strategy
-        )
+        ),
+    )
     config = {
         **method_config,
         "reduce": reduce,
@@ -388,7 +409,7 @@ def _plan(
         "shape": [source.num_examples, *map_shape],
         "target": target_config,
     }
-    return jobs[key], source, indices, (source.num_examples, *map_shape), config
+    return job, source, indices, (source.num_examples, *map_shape), config
 
 
 def saliency(
