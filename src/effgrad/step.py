@@ -379,17 +379,19 @@ class TrainStep:
             [tf.math.is_finite(tf.reduce_sum(g)) for g in summed + list(reg_grads.values())]
             + ([] if per_loss is None else [tf.math.is_finite(per_loss)])
         )
-        final = self._final_gradients(summed, [reg_grads.get(i) for i in connected], per_loss)
-        if self._accumulators is not None:
-            # Written back into the accumulators: the final gradient needs no
-            # second gradient-sized buffer next to them.
-            updates = [self._accumulators[i].assign(g, read_value=False) for i, g in zip(connected, final)]
-            with tf.control_dependencies(updates):
-                final = [self._accumulators[i].read_value() for i in connected]
+        # The final gradient (unscale, normalize, regularize, clip) is formed
+        # inside the apply branch, as Keras's LossScaleOptimizer does: the
+        # branch's inputs are the raw sums only, never a second full copy.
+        update = {"summed": summed, "reg": {j: reg_grads[i] for j, i in enumerate(connected) if i in reg_grads}}
+        if per_loss is not None:
+            update["per_loss"] = per_loss
+        clip = self._clip_factor(summed, update["reg"], per_loss)
+        if clip is not None:
+            update["clip"] = clip
         loss = losses.normalize(total, normalizer, self.reduction) + reg_loss
         has_weight = normalizer > 0 if self.reduction == "mean_with_sample_weight" else tf.constant(True)
         apply = functools.partial(self._apply_or_skip, connected=connected)
-        done = ctx.merge_call(apply, args=(final, pending, finite & has_weight, finite, has_weight))
+        done = ctx.merge_call(apply, args=(update, pending, finite & has_weight, finite, has_weight))
         if self._accumulators is not None:
             with tf.control_dependencies([done]):
                 zeroed = [acc.assign(tf.zeros_like(acc)) for acc in self._accumulators]
@@ -409,21 +411,20 @@ class TrainStep:
         with tf.control_dependencies([self.noise_scale.update(grad_sq, trace, applied & valid)]):
             return {k: tf.identity(v) for k, v in self.noise_scale.logs().items()}
 
-    def _final_gradients(self, summed, reg_grads, per_loss):
-        """``g = summed * per_loss + reg`` clipped to ``clip_norm``, each gradient written once."""
+    def _clip_factor(self, summed, reg, per_loss):
+        """``min(1, clip_norm / |g|)`` of the final gradient ``g = summed * per_loss + reg`` (None: no clipping)."""
         clip_norm = self.options.clip_norm
         if clip_norm is None:
-            return [self._combine(g, r, per_loss, None) for g, r in zip(summed, reg_grads)]
-        # |g|^2 from the summed gradients: a scalar per variable, no scaled copy.
+            return None
+        # |g|^2 from dot products of the summed gradients: scalars, no scaled copy.
         squares = [
-            tf.reduce_sum(tf.square(g)) * (1.0 if per_loss is None else per_loss**2)
-            if r is None
-            else tf.reduce_sum(tf.square(self._combine(g, r, per_loss, None)))
-            for g, r in zip(summed, reg_grads)
+            diagnostics.squared_norm([g]) * (1.0 if per_loss is None else per_loss**2)
+            if j not in reg
+            else diagnostics.squared_norm([self._combine(g, reg[j], per_loss, None)])
+            for j, g in enumerate(summed)
         ]
         norm = tf.sqrt(tf.add_n(squares))
-        clip = clip_norm / tf.maximum(norm, clip_norm)
-        return [self._combine(g, r, per_loss, clip) for g, r in zip(summed, reg_grads)]
+        return clip_norm / tf.maximum(norm, clip_norm)
 
     @staticmethod
     def _combine(g, r, per_loss, clip):
@@ -446,19 +447,29 @@ class TrainStep:
                 stacklevel=2,
             )
 
-    def _apply_or_skip(self, strategy, grads, pending, apply_flag, finite, has_weight, *, connected):
+    def _apply_or_skip(self, strategy, update, pending, apply_flag, finite, has_weight, *, connected):
         """Cross-replica: apply the agreed update and commit forward-pass state, or change nothing."""
         variables = [self.model.trainable_variables[i] for i in connected]
         state_variables = [self._state_variables[i] for i in self._written]
 
-        def apply(grads, pending):
+        def apply(update, pending):
+            per_loss, clip = update.get("per_loss"), update.get("clip")
+            grads = [self._combine(g, update["reg"].get(j), per_loss, clip) for j, g in enumerate(update["summed"])]
+            if self._accumulators is not None:
+                # Written back into the accumulators (each variable's buffer
+                # replaced as its final gradient is formed): no second
+                # gradient-sized buffer next to them.
+                accumulators = [self._accumulators[i] for i in connected]
+                writes = [acc.assign(g, read_value=False) for acc, g in zip(accumulators, grads)]
+                with tf.control_dependencies(writes):
+                    grads = [acc.read_value() for acc in accumulators]
             self.optimizer.apply(grads, variables)
             for variable, value in zip(state_variables, pending):
                 variable.assign(value)
 
         # Entered here, in the one cross-replica thread, not in each replica's.
         with _compat.gradients_already_reduced(self.optimizer):
-            applied = distribute.apply_or_skip(strategy, apply_flag, apply, args=(grads, pending))
+            applied = distribute.apply_or_skip(strategy, apply_flag, apply, args=(update, pending))
         with tf.control_dependencies([applied]):
             # An empty batch (no weight) is not evidence about the scale.
             return tf.cond(
