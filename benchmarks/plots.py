@@ -30,7 +30,10 @@ def plot_all() -> list:
                 ax.plot([r["k"] for r in mine], [r["peak_mib"] for r in mine], style, label=prefix)
             floor = [r for r in rows if r["method"].startswith("effgrad")]
             ax.plot([r["k"] for r in floor], [r["floor_mib"] for r in floor], ":", color="gray", label="floor")
+            ks = sorted({r["k"] for r in rows})
             ax.set(xscale="log", xlabel="micro-batches k", ylabel="peak MiB", title=f"batch {batch}, {opt}")
+            ax.set_xticks(ks, [str(k) for k in ks])
+            ax.minorticks_off()
             ax.legend(fontsize=7)
         written.append(_save(fig, plt, "accumulation_memory.png"))
     ckpt = _load("checkpointing")
@@ -74,7 +77,8 @@ def plot_all() -> list:
         loss_ax = ax.twinx()
         loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="gray", lw=0.8, label="loss")
         loss_ax.set(ylabel="loss")
-        fig.legend(fontsize=7, loc="upper center")
+        handles = ax.get_legend_handles_labels()[0] + loss_ax.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize=7, loc="upper center")
         written.append(_save(fig, plt, "noise_scale.png"))
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for name, style in (("clean", "o-"), ("leaking", "s--")):
