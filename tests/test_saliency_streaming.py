@@ -193,7 +193,11 @@ def test_device_memory_is_flat_in_the_number_of_examples(tmp_path):
         )
         assert out.returncode == 0, out.stderr[-2000:]
         peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
-    assert peaks[1] <= 1.1 * peaks[0], peaks  # 8x the examples, within 10% of the device memory
+    # 8x the examples: the same device memory up to a few batches in flight (the writer queue's
+    # timing decides whether one or two more are alive), far below the 44 MB a leak of the extra
+    # 3,584 inputs would add.
+    batch_bytes = 64 * 32 * 32 * 3 * 4 * 2  # one batch of inputs and its maps
+    assert peaks[1] <= peaks[0] + 3 * batch_bytes, peaks
 
 
 # ---------------------------------------------------------------- bad input
