@@ -30,10 +30,6 @@ from effgrad.step import StepOptions, TrainStep
 __all__ = ["attach"]
 
 
-def _needs_dynamic_scale(model, option) -> bool:
-    return option == "dynamic" or (option == "auto" and loss_scale_lib.computes_in_float16(model))
-
-
 def _keep_scale_state_in_optimizer(model) -> None:
     """Wraps the compiled optimizer in a Keras ``LossScaleOptimizer`` (as ``compile`` does for float16).
 
@@ -88,7 +84,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         "jit_compile": bool(model.jit_compile),
         **given,
     }
-    if _needs_dynamic_scale(model, options.get("loss_scale", "auto")) and not isinstance(
+    if loss_scale_lib.is_dynamic(options.get("loss_scale", "auto"), model) and not isinstance(
         model.optimizer, keras.optimizers.LossScaleOptimizer
     ):
         _keep_scale_state_in_optimizer(model)

@@ -269,6 +269,11 @@ def computes_in_float16(model) -> bool:
     return any(getattr(layer, "compute_dtype", None) == "float16" for layer in layers)
 
 
+def is_dynamic(loss_scale, model=None) -> bool:
+    """Whether the ``loss_scale`` option means dynamic scaling for ``model`` ("auto": iff float16)."""
+    return loss_scale == "dynamic" or (loss_scale == "auto" and model is not None and computes_in_float16(model))
+
+
 def get(loss_scale, model=None, keras_optimizer=None) -> LossScale:
     """Resolves the ``loss_scale`` argument of ``build_train_step``.
 
@@ -282,7 +287,7 @@ def get(loss_scale, model=None, keras_optimizer=None) -> LossScale:
     if loss_scale is None:
         return NoLossScale()
     if isinstance(loss_scale, str):
-        if loss_scale == "auto" and not (model is not None and computes_in_float16(model)):
+        if loss_scale == "auto" and not is_dynamic(loss_scale, model):
             return NoLossScale()
         if loss_scale in ("auto", "dynamic"):
             if keras_optimizer is not None:

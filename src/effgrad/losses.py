@@ -121,6 +121,4 @@ def normalize(total, normalizer, reduction: str):
 
 def keras_mask(y_pred):
     """The Keras mask carried by ``y_pred`` (a single output), or None."""
-    if isinstance(y_pred, (tf.Tensor, tf.Variable)) or hasattr(y_pred, "_keras_mask"):
-        return _compat.get_keras_mask(y_pred)
-    return None
+    return _compat.get_keras_mask(y_pred)

@@ -199,31 +199,27 @@ class SaliencyJob:
             ],
         )
 
-    def _scores(self, indices):
+    def _scores(self, indices, chosen: list | None = None):
+        """``score_fn(x)``: each row's target output. With ``indices=None`` the target is the
+        arg-max of the same (differentiated) forward pass, appended to ``chosen``."""
+
         def score_fn(x):
             outputs = self.model(x, training=False)
             if self.target_mode == "callable":
                 return self.target(outputs)
             flat = tf.reshape(tf.cast(outputs, tf.float32), [tf.shape(x)[0], -1])
-            return tf.gather(flat, indices, batch_dims=1)
-
-        return score_fn
-
-    def _argmax_scores(self, chosen: list):
-        """The arg-max output's score, taken from the same forward pass that is differentiated."""
-
-        def score_fn(x):
-            flat = tf.reshape(tf.cast(self.model(x, training=False), tf.float32), [tf.shape(x)[0], -1])
-            indices = tf.stop_gradient(tf.cast(tf.argmax(flat, axis=-1), tf.int32))  # 0 for one output unit
-            chosen.append(indices)
-            return tf.gather(flat, indices, batch_dims=1)
+            targets = indices
+            if targets is None:
+                targets = tf.stop_gradient(tf.cast(tf.argmax(flat, axis=-1), tf.int32))  # 0 for one output unit
+                chosen.append(targets)
+            return tf.gather(flat, targets, batch_dims=1)
 
         return score_fn
 
     def _replica_maps(self, x, indices, row_offset):
         if self.target_mode == "argmax" and self.method.scores_at_input:
             chosen = []  # one forward pass per batch, not two
-            maps = self.method.attribute(self._argmax_scores(chosen), x, row_offset)
+            maps = self.method.attribute(self._scores(None, chosen), x, row_offset)
             return tf.cast(reductions.reduce_map(maps, self.reduce), self.dtype), chosen[0]
         if self.target_mode == "fixed":
             indices = tf.fill([tf.shape(x)[0]], tf.constant(int(self.target), tf.int32))
