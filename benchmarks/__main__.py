@@ -10,7 +10,16 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-SUITES = ["accumulation", "loss_scaling", "diagnostics", "checkpointing", "segments", "distributed", "saliency"]
+SUITES = [
+    "accumulation",
+    "loss_scaling",
+    "diagnostics",
+    "checkpointing",
+    "checkpoint_model",
+    "segments",
+    "distributed",
+    "saliency",
+]
 
 
 def main(argv=None) -> int:

@@ -199,12 +199,17 @@ def test_multi_worker_mirrored_strategy_on_loopback(tmp_path, rng):
     assert_variables_close([np.array(v) for v in results[0]], reference.trainable_variables, atol=1e-5)
 
 
-def test_checkpointed_model_under_mirrored_strategy_equals_plain(strategy, rng):
+@pytest.mark.parametrize("how", ["checkpoint_sequential", "checkpoint_model"])
+def test_checkpointed_model_under_mirrored_strategy_equals_plain(strategy, rng, how):
     def make(checkpointed):
         keras.utils.set_random_seed(0)
-        layers = [keras.layers.Dense(6, activation="tanh") for _ in range(4)]
-        stack = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6), *layers, keras.layers.Dense(3)])
-        return effgrad.checkpoint_sequential(stack, segments=2) if checkpointed else stack
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(6)(inputs)
+        for _ in range(4):  # residual blocks for checkpoint_model, a plain stack for checkpoint_sequential
+            branch = keras.layers.Dense(6, activation="tanh")(h)
+            h = keras.layers.Add()([h, branch]) if how == "checkpoint_model" else branch
+        model = keras.Model(inputs, keras.layers.Dense(3)(h))
+        return getattr(effgrad, how)(model, segments=2) if checkpointed else model
 
     x = rng.normal(size=(9, 5)).astype("float32")
     y = rng.normal(size=(9, 3)).astype("float32")

@@ -12,6 +12,7 @@ import effgrad
 EXAMPLES = [
     effgrad.build_train_step,
     effgrad.attach,
+    effgrad.checkpoint_model,
     effgrad.MemoryMonitor,
     effgrad.StaticLossScale,
     effgrad.DynamicLossScale,

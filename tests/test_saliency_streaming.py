@@ -91,9 +91,18 @@ def test_resume_after_an_exception_skips_committed_rows(tmp_path, x):
     with pytest.raises(FileExistsError, match="resume=True"):
         effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
     poisoned = x.copy()
-    poisoned[:24] = np.nan  # were committed rows recomputed, NaN would show in the file
-    effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
-    np.testing.assert_array_equal(np.load(path), expected)
+    poisoned[:24] = np.nan  # not the rows the interrupted run explained: refused, nothing written
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="first 24 input rows are not the ones"):
+        effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
+    assert path.read_bytes() == before
+    marked = np.load(path, mmap_mode="r+")
+    marked[:24] = 7.0  # were committed rows recomputed, the marks would be gone
+    marked.flush()
+    del marked
+    effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(np.load(path)[24:], expected[24:])
+    assert (np.load(path)[:24] == 7.0).all()
     assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["complete"]
 
 
@@ -151,9 +160,9 @@ def test_sigkilled_run_resumes_to_the_same_file(tmp_path, rng):
     child.wait()
     state = json.loads(journal.read_text())
     assert 0 < state["committed"] < 400 and not state["complete"], state
-    poisoned = x.copy()
-    poisoned[: state["committed"]] = np.nan
-    effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
+    done = state["committed"]
+    np.testing.assert_array_equal(np.load(path)[:done], expected[:done])  # what the journal names is whole
+    effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
     np.testing.assert_array_equal(np.load(path), expected)
 
 
@@ -270,3 +279,72 @@ def test_cli_end_to_end(tmp_path, x):
     assert again.returncode == 2 and "never overwrites" in again.stderr
     resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- resume identity and damaged files
+def _interrupted(tmp_path, model, x, rows=24, **options):
+    """A run into maps.npy whose input dies after ``rows`` rows."""
+    path = tmp_path / "maps.npy"
+
+    def dying():
+        for i in range(0, len(x), 8):
+            if i == rows:
+                raise RuntimeError("killed")
+            yield x[i : i + 8]
+
+    with pytest.raises(RuntimeError, match="killed"):
+        effgrad.saliency(model, dying(), batch_size=8, num_examples=len(x), out=path, progress=False, **options)
+    return path
+
+
+def test_resume_refuses_other_weights_other_target_and_other_rows(tmp_path, x):
+    model = _model()
+    path = _interrupted(tmp_path, model, x)
+    before = path.read_bytes()
+    other = _model()
+    other.set_weights([w + 0.01 for w in model.get_weights()])
+    with pytest.raises(ValueError, match="model"):
+        effgrad.saliency(other, x, batch_size=8, out=path, resume=True, progress=False)
+    shuffled = x[np.random.default_rng(1).permutation(len(x))]
+    with pytest.raises(ValueError, match="not the ones.*shuffle=False"):
+        effgrad.saliency(model, shuffled, batch_size=8, out=path, resume=True, progress=False)
+    assert path.read_bytes() == before
+    # another callable target (same code, another captured class) is another run
+    path2 = _interrupted(tmp_path / "c", model, x, target=(lambda c: lambda y: y[:, c])(0))
+    with pytest.raises(ValueError, match="target"):
+        effgrad.saliency(model, x, batch_size=8, out=path2, resume=True, progress=False, target=lambda y: y[:, 1])
+
+
+def test_shuffling_dataset_cannot_corrupt_a_resumed_file(tmp_path, x):
+    model = _model()
+    ds = tf.data.Dataset.from_tensor_slices(x).shuffle(len(x), seed=None, reshuffle_each_iteration=True).batch(8)
+    first_pass = np.concatenate(list(ds.as_numpy_iterator()))  # the order the interrupted run saw
+    path = _interrupted(tmp_path, model, first_pass)
+    with pytest.raises(ValueError, match="shuffle=False"):
+        effgrad.saliency(model, ds, batch_size=8, num_examples=len(x), out=path, resume=True, progress=False)
+
+
+def test_damaged_files_are_never_resumed_as_whole(tmp_path, x):
+    model = _model()
+    path = _interrupted(tmp_path, model, x)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)  # a truncated file: committed rows would read as zeros
+    with pytest.raises(ValueError, match="missing or damaged"):
+        effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
+    # killed between creating the file and writing its header, before any commit: starts again
+    path.write_bytes(b"")
+    journal = json.loads((tmp_path / "maps.npy.journal.json").read_text())
+    (tmp_path / "maps.npy.journal.json").write_text(json.dumps({**journal, "committed": 0}))
+    maps = effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(maps, effgrad.saliency(model, x, batch_size=8, progress=False))
+
+
+def test_a_run_that_computed_nothing_leaves_no_file(tmp_path, x):
+    model = _model()
+    path = tmp_path / "maps.npy"
+    with pytest.raises(Exception, match="no_such_thing"):  # fails while tracing the target
+        effgrad.saliency(model, x, out=path, progress=False, target=lambda y: y.no_such_thing)
+    assert list(tmp_path.iterdir()) == []
+    effgrad.saliency(model, x, out=path, progress=False)  # a plain rerun works
+    with pytest.raises(ValueError, match="num_examples=7 but the inputs hold"):
+        effgrad.saliency(model, x, num_examples=7, progress=False)

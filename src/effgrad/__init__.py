@@ -19,7 +19,7 @@ if "tensorflow" not in _sys.modules:
 # that contains them loads after a plain `import effgrad`.
 with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
     from effgrad import diagnostics, memory
-    from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_sequential
+    from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_model, checkpoint_sequential
     from effgrad.diagnostics import MemoryMonitor
     from effgrad.explain import saliency, saliency_summary
     from effgrad.fit import attach
@@ -40,6 +40,7 @@ __all__ = [
     "attach",
     "build_train_step",
     "checkpoint",
+    "checkpoint_model",
     "checkpoint_sequential",
     "diagnostics",
     "memory",

@@ -19,12 +19,14 @@ import tensorflow as tf
 __all__ = [
     "TESTED",
     "compile_state",
+    "functional_graph",
     "get_keras_mask",
     "get_stateless_scope",
     "gradients_already_reduced",
     "in_xla_context",
     "optimization_barrier",
     "set_compiled_optimizer",
+    "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
     "stop_recording",
 ]
@@ -54,13 +56,23 @@ except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an u
 
 try:
     # The enclosing StatelessScope: nested checkpoints see pending state writes.
-    from keras.src.backend import get_keras_mask, get_stateless_scope
+    from keras.src.backend import get_keras_mask, get_stateless_scope, set_keras_mask
     from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
 
     # Keras's own rank alignment of sample weights and masks against losses.
     from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
+
+try:
+    from keras.src.ops.node import Node as _Node
+    from keras.src.ops.symbolic_arguments import SymbolicArguments as _SymbolicArguments
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.ops Node / SymbolicArguments (the functional layer graph)", _err) from _err
+if not all(hasattr(_Node, a) for a in ("input_tensors", "output_tensors")) or not hasattr(
+    _SymbolicArguments, "fill_in"
+):  # pragma: no cover
+    raise _missing("keras Node.input_tensors/output_tensors, SymbolicArguments.fill_in", AttributeError("not found"))
 
 if not callable(getattr(_TFOptimizer, "_all_reduce_sum_gradients", None)):  # pragma: no cover
     raise _missing("keras TFOptimizer._all_reduce_sum_gradients", AttributeError("not found"))
@@ -117,3 +129,24 @@ def set_compiled_optimizer(model, optimizer) -> None:
     if not isinstance(config, dict) or "optimizer" not in config:
         raise _missing("keras SerializableDict.config['optimizer'] in the compile config", KeyError("optimizer"))
     config["optimizer"] = optimizer
+
+
+def functional_graph(model):
+    """``(nodes_by_depth, inputs, outputs)`` of a functional model's recorded layer graph, or None.
+
+    Keras records the graph of a functional model (and of a built Sequential
+    model, which holds one) but exposes no public walk over its layer calls;
+    ``effgrad.checkpoint_model`` needs one to find where to cut. ``inputs`` and
+    ``outputs`` keep the model's nesting (dicts of named inputs, lists). Of
+    each ``Node`` effgrad.graph reads ``operation``, ``is_input``,
+    ``input_tensors``, ``output_tensors`` and ``arguments.fill_in`` (checked
+    at import), and of a KerasTensor ``_keras_history.operation``.
+    """
+    if isinstance(model, keras.Sequential):
+        model = getattr(model, "_functional", None)
+    if model is None or not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
+        return None
+    try:
+        return model._nodes_by_depth, model._inputs_struct, model._outputs_struct
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("keras Functional._inputs_struct/_outputs_struct", err) from err

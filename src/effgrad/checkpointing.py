@@ -39,15 +39,17 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
+import warnings
 from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
+from effgrad import _compat, graph
 from effgrad.state import StateScope
 
-__all__ = ["checkpoint", "Checkpoint", "checkpoint_sequential"]
+__all__ = ["checkpoint", "Checkpoint", "checkpoint_model", "checkpoint_sequential"]
 
 
 def _is_tensor(value) -> bool:
@@ -71,9 +73,16 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
         for i, t in zip(positions, tensors):
             leaves[i] = t
         call_args, call_kwargs = tf.nest.pack_sequence_as(structure, leaves)
-        return fn(*call_args, **call_kwargs)
+        if "mask" not in call_kwargs:
+            return fn(*call_args, **call_kwargs)
+        with warnings.catch_warnings():
+            # The masks are handed over explicitly (a functional block takes
+            # ``mask=``), so Keras's warning that a layer without masking
+            # support "will destroy the mask" of its inputs does not apply.
+            warnings.filterwarnings("ignore", "Layer .* does not support masking", UserWarning)
+            return fn(*call_args, **call_kwargs)
 
-    out_structure = []
+    out_structure, out_masks = [], []
 
     @tf.custom_gradient
     def forward(*tensors):
@@ -88,6 +97,9 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
             for v in written:
                 v.assign(scope.get_current_value(v))
         out_structure.append(outputs)
+        # Keras masks computed inside (an Embedding's mask_zero, a Masking
+        # layer) are not differentiated; they leave the block as they are.
+        out_masks.extend(_compat.get_keras_mask(t) for t in tf.nest.flatten(outputs))
         flat_out = [tf.identity(t) for t in tf.nest.flatten(outputs)]
 
         def grad(*output_grads, variables=None):
@@ -138,6 +150,9 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
         return flat_out, grad
 
     flat_out = forward(*[tf.convert_to_tensor(flat[i]) for i in positions])
+    for t, mask in zip(flat_out, out_masks):
+        if mask is not None:
+            _compat.set_keras_mask(t, mask)
     return tf.nest.pack_sequence_as(out_structure[-1], flat_out)
 
 
@@ -205,6 +220,10 @@ class Checkpoint(keras.layers.Wrapper):
         return self.layer.compute_output_spec(inputs, *args, **kwargs)
 
     def compute_mask(self, inputs, mask=None):
+        if _compat.functional_graph(self.layer) is not None:
+            # A functional block's masks come out of its run (its layers set
+            # them); the default would hand back the *input* masks.
+            return None
         return self.layer.compute_mask(inputs, mask)
 
 
@@ -238,6 +257,30 @@ def checkpoint(f: Callable) -> Callable:
     return checkpointed
 
 
+def _check_chain(layers) -> None:
+    """Refuses a layer list that was not called as a chain (``resnet.layers``, extra tensor inputs)."""
+    previous = None
+    for layer in layers:
+        nodes = getattr(layer, "_inbound_nodes", [])
+        if not nodes:
+            return  # never called: nothing recorded to check
+        inputs = nodes[0].input_tensors
+        if len(inputs) > 1:
+            names = [t.name for t in inputs[1:]]
+            raise ValueError(
+                f"Layer {layer.name!r} was called with more than one tensor ({names} besides its input), "
+                "which a stack of layers cannot pass on (it would silently drop them). Checkpoint the whole "
+                "model with effgrad.checkpoint_model(model), which carries every input a segment needs."
+            )
+        if previous is not None and (len(inputs) != 1 or inputs[0] is not previous):
+            raise ValueError(
+                f"The layers are not a chain: {layer.name!r} does not take the output of the layer before it "
+                "(a graph with branches or skip connections, e.g. model.layers of a ResNet). Use "
+                "effgrad.checkpoint_model(model), which cuts the graph where every path passes."
+            )
+        previous = nodes[0].output_tensors[0] if len(nodes[0].output_tensors) == 1 else None
+
+
 def _sequential_layers(layers_or_sequential):
     if isinstance(layers_or_sequential, keras.Sequential):
         return list(layers_or_sequential.layers), layers_or_sequential
@@ -246,20 +289,27 @@ def _sequential_layers(layers_or_sequential):
         bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
         if bad:
             raise TypeError(f"checkpoint_sequential needs keras layers, got {bad}.")
+        _check_chain([layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)])
         return layers, None
-    if isinstance(layers_or_sequential, keras.Model):
-        raise ValueError(
-            f"{type(layers_or_sequential).__name__} is not a linear stack of layers, so it cannot be split "
-            "into segments. Wrap its blocks individually with effgrad.Checkpoint(block), or pass a "
-            "keras.Sequential / list of layers."
-        )
     raise TypeError(
-        "checkpoint_sequential needs a keras.Sequential or a list of layers, "
+        "checkpoint_sequential needs a keras.Sequential, a functional model or a list of layers, "
         f"got {type(layers_or_sequential).__name__}."
     )
 
 
-def checkpoint_sequential(layers_or_sequential, segments="sqrt") -> keras.Sequential:
+def _segment_count(segments, n: int, what: str) -> int:
+    if segments == "sqrt":
+        return math.ceil(math.sqrt(n))
+    if isinstance(segments, bool) or not isinstance(segments, numbers.Integral):
+        raise ValueError(f'segments must be "sqrt" or an int, got {segments!r}.')
+    if segments < 1:
+        raise ValueError(f"segments must be at least 1, got {segments}.")
+    if segments > n:
+        warnings.warn(f"{what} can be split into at most {n} segments; using {n} instead of {segments}.", stacklevel=3)
+    return min(int(segments), n)
+
+
+def checkpoint_sequential(layers_or_sequential, segments="sqrt") -> keras.Model:
     """Splits a stack of layers into segments and checkpoints each one.
 
     With ``n`` layers in ``s`` segments the backward pass keeps the ``s``
@@ -272,24 +322,29 @@ def checkpoint_sequential(layers_or_sequential, segments="sqrt") -> keras.Sequen
         >>> light = effgrad.checkpoint_sequential(deep, segments="sqrt")  # 8 segments of 8 layers
 
     Args:
-        layers_or_sequential: A ``keras.Sequential`` or a list of layers
-            applied one after the other. The layers (and weights) are shared,
+        layers_or_sequential: A ``keras.Sequential``, a list of layers
+            applied one after the other, or a functional model (handed to
+            :func:`checkpoint_model`). The layers (and weights) are shared,
             not copied.
-        segments: ``"sqrt"`` or an int in ``[1, number of layers]``.
+        segments: ``"sqrt"`` or a positive int (more than the number of
+            layers: a warning, one layer per segment).
 
     Returns:
-        A ``keras.Sequential`` of :class:`effgrad.Checkpoint` segments.
+        A ``keras.Sequential`` of :class:`effgrad.Checkpoint` segments (a
+        functional model for a functional input).
+
+    Raises:
+        ValueError: a layer list that is not a chain (``resnet.layers``), or
+            whose layers were called with extra tensors (a ``padding_mask=``
+            keyword) that a stack cannot pass on: use :func:`checkpoint_model`.
     """
+    if isinstance(layers_or_sequential, keras.Model) and not isinstance(layers_or_sequential, keras.Sequential):
+        return checkpoint_model(layers_or_sequential, segments)
     layers, sequential = _sequential_layers(layers_or_sequential)
     n = len(layers)
     if n == 0:
         raise ValueError("checkpoint_sequential got no layers to checkpoint.")
-    if segments == "sqrt":
-        segments = math.ceil(math.sqrt(n))
-    if isinstance(segments, bool) or not isinstance(segments, int):
-        raise ValueError(f'segments must be "sqrt" or an int, got {segments!r}.')
-    if not 1 <= segments <= n:
-        raise ValueError(f"segments must be between 1 and the number of layers ({n}), got {segments}.")
+    segments = _segment_count(segments, n, f"A stack of {n} layers")
     bounds = [round(i * n / segments) for i in range(segments + 1)]
     blocks = [
         Checkpoint(keras.Sequential(layers[start:stop], name=f"segment_{i}"), name=f"checkpoint_{i}")
@@ -299,3 +354,84 @@ def checkpoint_sequential(layers_or_sequential, segments="sqrt") -> keras.Sequen
     if sequential is not None and sequential.built and sequential.inputs:
         stack.append(keras.Input(batch_shape=sequential.inputs[0].shape, dtype=sequential.inputs[0].dtype))
     return keras.Sequential(stack + blocks, name=f"checkpointed_{sequential.name if sequential else 'stack'}")
+
+
+def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.Model:
+    """Checkpoints any functional or Sequential Keras model, cut where every path passes.
+
+    Algorithm: walk the model's layer calls in topological order and cut
+    after each call where exactly one tensor with learned computation behind
+    it is still needed (the end of a residual block, a dense block, a
+    transformer layer; see :mod:`effgrad.graph`). Tensors computed from the
+    inputs alone (padding masks, position ids) do not block a cut: they are
+    passed to every segment that reads them. The cuts are grouped into
+    ``segments`` segments of about equal activation volume, each a functional
+    sub-model of the *same* layers wrapped in :class:`effgrad.Checkpoint`.
+    The backward pass then keeps the segment boundaries plus one segment's
+    activations at a time, for one extra forward pass.
+
+    Example:
+        >>> resnet = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+        >>> light = effgrad.checkpoint_model(resnet, segments="sqrt")
+        >>> sum(isinstance(layer, effgrad.Checkpoint) for layer in light.layers)  # 38 cuts: ceil(sqrt(39))
+        7
+        >>> light.compile("adam", "sparse_categorical_crossentropy")  # fit() trains resnet's weights
+
+    Args:
+        model: A built functional or Sequential ``keras.Model``
+            (``keras.applications``, keras_hub backbones, your own).
+        segments: ``"sqrt"`` (``ceil(sqrt(cuts + 1))``) or a positive int.
+
+    Returns:
+        A functional model with the same inputs and outputs (names and
+        nesting), sharing ``model``'s layers and variables: training it trains
+        ``model``. Outputs and gradients equal ``model``'s, with the
+        guarantees of :class:`Checkpoint` (Dropout masks, BatchNorm
+        statistics updated once, masks, XLA, MirroredStrategy). Saves and
+        loads as a ``.keras`` file (import effgrad before loading).
+
+    Raises:
+        TypeError: a subclassed model (Keras records no graph for it) or not
+            a model.
+        ValueError: ``segments > 1`` but the graph has no cut at all, or a
+            bad ``segments``. Fewer cuts than asked: a warning, and the
+            segments that exist.
+
+    Trap:
+        The balance is estimated from static output shapes (unknown axes
+        count as 1) and a subclassed layer is one indivisible call: a model
+        built from one large custom layer cannot be cut; checkpoint inside it.
+        ``trainable_variables`` of the result may list the shared variables
+        in another order than ``model``'s.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"checkpoint_model needs a keras.Model, got {type(model).__name__}.")
+    g = graph.layer_graph(model)
+    _, inputs_struct, outputs_struct = _compat.functional_graph(model)
+    if segments != 1 and not g.cuts:
+        raise ValueError(
+            f"{model.name} cannot be cut into segments: no tensor of its graph is one that every path from "
+            "the inputs to the outputs passes through (or it is one subclassed layer). Wrap its blocks with "
+            "effgrad.Checkpoint(block) instead, or pass segments=1 to checkpoint it whole."
+        )
+    wanted = _segment_count(segments, len(g.cuts) + 1, f"{model.name} ({len(g.cuts)} cut points)")
+    ends = graph.choose_boundaries(g, wanted)
+    if len(ends) + 1 < wanted:
+        warnings.warn(
+            f"{model.name}: only {len(ends) + 1} segments of {wanted} could be placed between its cut points.",
+            stacklevel=2,
+        )
+    bounds = [0] + [end + 1 for end in ends] + [len(g.nodes)]
+
+    def fresh_input(t):
+        layer = t._keras_history.operation
+        return keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=layer.name)
+
+    new_inputs = keras.tree.map_structure(fresh_input, inputs_struct)
+    tensors = {id(t): new for t, new in zip(g.inputs, keras.tree.flatten(new_inputs))}
+    for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        block, seg_inputs, seg_outputs = g.segment(start, stop, name=f"{model.name}_segment_{k}")
+        outputs = Checkpoint(block, name=f"checkpoint_{k}")([tensors[id(t)] for t in seg_inputs])
+        tensors.update((id(t), out) for t, out in zip(seg_outputs, keras.tree.flatten(outputs)))
+    new_outputs = keras.tree.map_structure(lambda t: tensors[id(t)], outputs_struct)
+    return keras.Model(new_inputs, new_outputs, name=f"{model.name}_checkpointed")

@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ class _Source:
     num_examples: int | None
     example_shape: tuple
     dtype: tf.DType
-    batches: Callable[[int], Iterator]  # skip_rows -> iterator of arrays/tensors
+    batches: Callable[[], Iterator]  # -> iterator of arrays/tensors, from the first row
     sample: Any  # a small batch, to probe the model's outputs
 
 
@@ -79,27 +80,19 @@ def _first_tensor(element):
     return element[0] if isinstance(element, (tuple, list)) else element
 
 
-def _skip(batches: Iterator, rows: int) -> Iterator:
-    """Drops whole batches worth ``rows`` rows (loaded, not computed)."""
-    done = 0
-    for batch in batches:
-        if done >= rows:
-            yield batch
-            continue
-        n = int(batch.shape[0])
-        if done + n > rows:
-            yield batch[rows - done :]
-        done += n
-
-
 def _source(inputs, batch_size: int, num_examples: int | None) -> _Source:
     if isinstance(inputs, (np.ndarray, tf.Tensor)):
         if len(inputs.shape) == 0:
             raise ValueError("inputs must have a leading example dimension; got a scalar.")
         n = int(inputs.shape[0])
+        if num_examples is not None and int(num_examples) != n:
+            raise ValueError(
+                f"num_examples={num_examples} but the inputs hold {n} examples; num_examples is only for "
+                "datasets and generators of unknown length: leave it out."
+            )
 
-        def batches(skip_rows):
-            for start in range(skip_rows, n, batch_size):
+        def batches():
+            for start in range(0, n, batch_size):
                 yield inputs[start : start + batch_size]  # a memmap reads just these rows
                 release_rows(inputs, start)  # the rows before this batch were copied to the device
 
@@ -113,9 +106,7 @@ def _source(inputs, batch_size: int, num_examples: int | None) -> _Source:
             )
         shape = tuple(spec.shape[1:].as_list())
         sample = _first_tensor(next(iter(inputs.take(1))))[:1]
-        return _Source(
-            num_examples, shape, spec.dtype, lambda skip: _skip((_first_tensor(e) for e in inputs), skip), sample
-        )
+        return _Source(num_examples, shape, spec.dtype, lambda: (_first_tensor(e) for e in inputs), sample)
     if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes, dict)):
         if isinstance(inputs, (list, tuple)):  # re-iterable, sized: length known
             elements = [_first_tensor(e) for e in inputs]
@@ -123,9 +114,7 @@ def _source(inputs, batch_size: int, num_examples: int | None) -> _Source:
                 raise ValueError("inputs is an empty list of batches.")
             n = sum(int(e.shape[0]) for e in elements)
             first = elements[0]
-            return _Source(
-                n, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda s: _skip(iter(elements), s), first[:1]
-            )
+            return _Source(n, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda: iter(elements), first[:1])
         if num_examples is None:
             raise ValueError(
                 "The number of examples of an iterator/generator is not known up front; pass "
@@ -134,9 +123,7 @@ def _source(inputs, batch_size: int, num_examples: int | None) -> _Source:
         iterator = iter(inputs)
         first = _first_tensor(next(iterator))
         chained = itertools.chain([first], (_first_tensor(e) for e in iterator))
-        return _Source(
-            num_examples, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda s: _skip(chained, s), first[:1]
-        )
+        return _Source(num_examples, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda: chained, first[:1])
     raise TypeError(
         f"inputs must be a NumPy array/memmap, a tf.Tensor, a batched tf.data.Dataset or an iterable of "
         f"batches, got {type(inputs).__name__}."
@@ -301,43 +288,93 @@ def _run(job: SaliencyJob, source: _Source, sink, indices, progress: bool) -> No
         while (item := pending.get()) is not None:
             if failure:
                 continue  # drain after an error: nothing more is written
-            start, maps, targets = item
+            start, maps, targets, crc = item
             try:
                 sink.write(start, maps, targets)
                 bar.update(int(maps.shape[0]))
                 if time.perf_counter() - last_commit > _COMMIT_EVERY_SECONDS:
-                    sink.commit(start + int(maps.shape[0]))
+                    sink.commit(start + int(maps.shape[0]), crc)
                     last_commit = time.perf_counter()
             except BaseException as err:  # surfaced in the main thread
                 failure.append(err)
 
     thread = threading.Thread(target=writer, name="effgrad-saliency-writer", daemon=True)
     thread.start()
-    row = start_row
+    # A running checksum of the input rows, stored with each commit: a resume
+    # must see the same rows again (another file, a shuffling dataset) before
+    # anything new is written. Rows already done are read (not computed) for it.
+    row, crc = 0, 0
+    written = (start_row, sink.input_crc)
     try:
-        for batch in source.batches(start_row):
+        for batch in source.batches():
             if failure:
                 break
-            x = tf.convert_to_tensor(batch)
-            n = int(x.shape[0])
+            n = int(batch.shape[0])
+            if row < start_row:
+                seen = min(n, start_row - row)
+                crc = _checksum(batch[:seen], crc)
+                row += seen
+                if row == start_row:
+                    _check_same_rows(crc, sink.input_crc, start_row)
+                if seen == n:
+                    continue
+                batch, n = batch[seen:], n - seen
             if row + n > source.num_examples:
                 raise ValueError(f"inputs hold more than num_examples={source.num_examples} examples.")
+            crc = _checksum(batch, crc)
+            x = tf.convert_to_tensor(batch)
             batch_indices = indices[row : row + n] if indices is not None else np.zeros(n, "int32")
             maps, targets = job.maps(x, tf.constant(batch_indices, tf.int32), tf.constant(row, tf.int64))
-            pending.put((row, maps, targets))
+            pending.put((row, maps, targets, crc))
             row += n
+            written = (row, crc)
     finally:
         pending.put(None)
         thread.join()
         if not failure and row == source.num_examples:
-            sink.finish(row)
+            sink.finish(row, crc)
             bar.update(0, force=True)
-        elif not failure:
-            sink.commit(row)  # an exception above: keep what was written
+        elif not failure and written[0] > start_row:
+            sink.commit(*written)  # an exception above: keep what was written
     if failure:
         raise failure[0]
     if row != source.num_examples:
         raise ValueError(f"inputs held {row} examples but num_examples={source.num_examples}.")
+
+
+def _checksum(batch, crc: int) -> int:
+    """CRC-32 of a batch's bytes, continuing ``crc`` (cheap: GB/s, no copy of a contiguous batch)."""
+    values = batch.numpy() if tf.is_tensor(batch) else np.asarray(batch)
+    return zlib.crc32(np.ascontiguousarray(values), crc)
+
+
+def _check_same_rows(crc: int, expected: int | None, rows: int) -> None:
+    if expected is not None and crc != expected:
+        raise ValueError(
+            f"Cannot resume: the first {rows} input rows are not the ones the interrupted run explained "
+            f"(checksum {crc:08x}, journal {expected:08x}). Resume with the same inputs in the same order. "
+            "A tf.data pipeline that shuffles gives another order on every pass (image_dataset_from_directory "
+            "shuffles by default: pass shuffle=False; then ds.file_paths names the rows). Nothing was written."
+        )
+
+
+def _weights_checksum(model) -> str:
+    """CRC-32 of every weight's values: a resume with other weights is refused."""
+    crc = 0
+    for weight in getattr(model, "weights", []):
+        crc = zlib.crc32(np.ascontiguousarray(np.asarray(weight.numpy())), crc)
+    return f"{crc:08x}"
+
+
+def _callable_checksum(fn) -> str:
+    """Name, bytecode and simple captured values of a callable target."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    simple = [v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__ for v in cells]
+    data = code.co_code + repr((code.co_consts, code.co_names, simple)).encode()
+    return f"{fn.__qualname__}:{zlib.crc32(data):08x}"
 
 
 def _plan(
@@ -374,6 +411,8 @@ def _plan(
         target_config = int(target)
     elif target_mode == "per_example":
         target_config = {"per_example": hashlib.sha1(indices).hexdigest()}
+    elif target_mode == "callable":
+        target_config = {"callable": _callable_checksum(target)}
     else:
         target_config = target_mode
     # Compiled jobs are kept per model, so a second call (another dataset,
@@ -404,6 +443,7 @@ def _plan(
         "batch_size": int(batch_size),
         "shape": [source.num_examples, *map_shape],
         "target": target_config,
+        "model": _weights_checksum(model),
     }
     return job, source, indices, (source.num_examples, *map_shape), config
 
@@ -475,6 +515,10 @@ def saliency(
         **method_options,
     )
     sink = _prepare_sink(out, shape, dtype, config, resume)
-    if sink.committed < shape[0]:
-        _run(job, source, sink, indices, progress)
+    try:
+        if sink.committed < shape[0]:
+            _run(job, source, sink, indices, progress)
+    except BaseException:
+        sink.discard_if_empty()  # a run that computed nothing leaves no file
+        raise
     return sink.array

@@ -55,6 +55,9 @@ def journal_path(path: Path) -> Path:
 class ArraySink:
     """Writes rows into an in-memory array or a caller's buffer/memmap."""
 
+    # Checksum of the input rows a resumed run must see again (file sinks).
+    input_crc: int | None = None
+
     def __init__(self, array: np.ndarray):
         self.array = array
         self.committed = 0
@@ -63,22 +66,26 @@ class ArraySink:
         rows = maps.numpy() if hasattr(maps, "numpy") else np.asarray(maps)  # device -> host
         self.array[start : start + len(rows)] = rows
 
-    def commit(self, rows: int) -> None:
+    def commit(self, rows: int, input_crc: int = 0) -> None:
         if isinstance(self.array, np.memmap):
             self.array.flush()
             release_rows(self.array, rows)
         self.committed = rows
 
-    def finish(self, rows: int) -> None:
-        self.commit(rows)
+    def finish(self, rows: int, input_crc: int = 0) -> None:
+        self.commit(rows, input_crc)
+
+    def discard_if_empty(self) -> None:
+        """Called when a run fails: a caller's buffer is theirs, nothing to undo."""
 
 
 class NpyFileSink(ArraySink):
     """A standard ``.npy`` file (``np.load`` reads it) plus a resume journal."""
 
-    def __init__(self, path: Path, array: np.memmap, config: dict, committed: int):
+    def __init__(self, path: Path, array: np.memmap, config: dict, committed: int, input_crc=None):
         super().__init__(array)
-        self.path, self.config, self.committed = path, config, committed
+        self.path, self.config, self.committed, self.input_crc = path, config, committed, input_crc
+        self.created = False
 
     @classmethod
     def open(cls, path, shape: tuple, dtype, config: dict, resume: bool) -> NpyFileSink:
@@ -103,36 +110,67 @@ class NpyFileSink(ArraySink):
                 )
                 raise ValueError(
                     f"Cannot resume into {path}: it was started with a different configuration "
-                    f"({', '.join(changed)} differ). Use the original settings, or remove the file to start over."
+                    f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}: 'model' is a checksum of "
+                    "the weights, 'target' of the target). Use the original model and settings, or remove "
+                    "the file to start over."
                 )
-            if path.exists():
-                array = np.load(path, mmap_mode="r+")
-                return cls(path, array, config, int(state["committed"]))
-            # Killed between writing the journal and creating the file.
-        elif resume:
-            pass  # nothing to resume: start a new file
+            committed = int(state["committed"])
+            array = _reopen(path, shape, dtype) if path.exists() else None
+            if array is not None:
+                return cls(path, array, config, committed, state.get("input_crc"))
+            if committed:
+                raise ValueError(
+                    f"Cannot resume into {path}: its journal names {committed} finished rows but the file is "
+                    "missing or damaged (wrong size or header). Remove it and its .journal.json to start over."
+                )
+            # Killed before the first row was committed: nothing to keep, start again.
         path.parent.mkdir(parents=True, exist_ok=True)
         sink = cls(path, None, config, 0)
         sink._write_journal(0)  # first: a file without journal is never ours
         sink.array = npy_format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=tuple(shape))
+        sink.created = True
         return sink
 
-    def _write_journal(self, rows: int, complete: bool = False) -> None:
+    def discard_if_empty(self) -> None:
+        """Removes the file and journal this run created if no row was committed."""
+        if self.created and self.committed == 0:
+            self.array = None
+            for leftover in (self.path, journal_path(self.path)):
+                leftover.unlink(missing_ok=True)
+
+    def _write_journal(self, rows: int, complete: bool = False, input_crc: int = 0) -> None:
         journal = journal_path(self.path)
-        tmp = journal.with_name(journal.name + ".tmp")
+        # Unique per process: two runs on one output never share a temporary file.
+        tmp = journal.with_name(f"{journal.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump({"config": self.config, "committed": rows, "complete": complete}, f)
+            state = {"config": self.config, "committed": rows, "complete": complete, "input_crc": input_crc}
+            json.dump(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, journal)  # atomic: the journal is always whole
 
-    def commit(self, rows: int) -> None:
+    def commit(self, rows: int, input_crc: int = 0) -> None:
         self.array.flush()  # rows reach the file before the journal names them
-        self._write_journal(rows)
+        self._write_journal(rows, input_crc=input_crc)
         release_rows(self.array, rows)
         self.committed = rows
 
-    def finish(self, rows: int) -> None:
+    def finish(self, rows: int, input_crc: int = 0) -> None:
         self.array.flush()
-        self._write_journal(rows, complete=True)
+        self._write_journal(rows, complete=True, input_crc=input_crc)
         self.committed = rows
+
+
+def _reopen(path: Path, shape: tuple, dtype) -> np.memmap | None:
+    """The ``.npy`` at ``path`` as a writable memmap, or None if its header or size is not this run's."""
+    try:
+        # Read-only first: numpy silently zero-extends a short file opened "r+".
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, EOFError, OSError):
+        return None  # killed between creating the file and writing its header, truncated, not a .npy
+    if not isinstance(array, np.memmap) or array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+        return None
+    if os.path.getsize(path) != array.offset + array.nbytes:
+        return None  # a damaged file: committed rows would read back as zeros
+    del array
+    return np.load(path, mmap_mode="r+")

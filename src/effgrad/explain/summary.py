@@ -45,6 +45,7 @@ class _StatisticsSink:
         self.map_shape, self.by_class = map_shape, by_class
         self.states: dict = {}
         self.committed = 0
+        self.input_crc = None  # never resumed
 
     def _update(self, key, maps):
         state = self.states.get(key) or self._running.from_shape(self.map_shape, dtype=tf.float32)
@@ -59,7 +60,7 @@ class _StatisticsSink:
         for c in classes.numpy().tolist():
             self._update(int(c), tf.boolean_mask(maps, tf.equal(targets, c)))
 
-    def commit(self, rows: int) -> None:
+    def commit(self, rows: int, input_crc: int = 0) -> None:
         self.committed = rows
 
     finish = commit

@@ -1,0 +1,173 @@
+"""Where a Keras functional model can be cut into checkpointed segments.
+
+A checkpointed segment keeps only its inputs for the backward pass, so a good
+boundary is a point of the layer graph where little is alive: ideally one
+tensor through which every path from the inputs to the outputs passes (an
+articulation point, Chen et al. 2016 "Training Deep Nets with Sublinear
+Memory Cost"). Walking the layer calls in topological order, the tensors
+alive after a call are those already produced and still needed later. A call
+is a *cut* when exactly one of them carries learned computation; the others
+are *side* tensors computed from the model inputs by weightless layers
+(padding and attention masks, position ids, the inputs themselves), which the
+caller holds anyway and which are simply passed on to the segments that
+need them. Residual blocks, dense blocks and transformer layers each end on a
+cut; nothing inside them is one.
+
+Segments are then chosen among the cuts so that each holds about the same
+activation volume (estimated from the static output shapes).
+
+Trap:
+    Only the model's own graph is seen: a subclassed layer is one call, however
+    much it computes, so a model made of one big subclassed layer has no cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import keras
+import numpy as np
+
+from effgrad import _compat
+
+__all__ = ["Graph", "layer_graph", "choose_boundaries"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """A functional model's layer calls in topological order.
+
+    Attributes:
+        nodes: Keras ``Node`` objects (layer calls), inputs excluded.
+        inputs: The model's flat input tensors.
+        outputs: The model's flat output tensors.
+        cuts: Indices ``i`` of ``nodes`` after which exactly one non-side
+            tensor is alive (and something is left to compute).
+        sizes: Estimated activation elements per example of each call.
+    """
+
+    nodes: list
+    inputs: list
+    outputs: list
+    cuts: list[int]
+    sizes: list[int]
+
+    def segment_io(self, start: int, stop: int) -> tuple[list, list]:
+        """Inputs (produced before ``start``) and outputs (needed after ``stop``) of ``nodes[start:stop]``."""
+        before = {id(t) for t in self.inputs} | {id(t) for node in self.nodes[:start] for t in node.output_tensors}
+        needed_later = {id(t) for node in self.nodes[stop:] for t in node.input_tensors} | {id(t) for t in self.outputs}
+        inputs, outputs, seen = [], [], set()
+        for node in self.nodes[start:stop]:
+            for t in node.input_tensors:
+                if id(t) in before and id(t) not in seen:
+                    seen.add(id(t))
+                    inputs.append(t)
+            for t in node.output_tensors:
+                if id(t) in needed_later and id(t) not in seen:
+                    seen.add(id(t))
+                    outputs.append(t)
+        return inputs, outputs
+
+    def segment(self, start: int, stop: int, name: str) -> tuple[keras.Model, list, list]:
+        """``nodes[start:stop]`` as a functional model of the same layers, with its inputs and outputs.
+
+        The calls are replayed on fresh ``keras.Input`` tensors.
+        ``keras.Model(intermediate_inputs, outputs)`` would do it too, but it
+        re-records the history of original input tensors passed next to
+        intermediate ones (Keras 3.15 ``clone_graph_nodes``), which breaks
+        serializing the original model.
+        """
+        inputs, outputs = self.segment_io(start, stop)
+
+        def fresh(i, t):
+            layer = t._keras_history.operation
+            label = layer.name if isinstance(layer, keras.layers.InputLayer) else f"{layer.name}_output_{i}"
+            return keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=label)
+
+        values = {id(t): fresh(i, t) for i, t in enumerate(inputs)}
+        block_inputs = [values[id(t)] for t in inputs]
+        for node in self.nodes[start:stop]:
+            args, kwargs = node.arguments.fill_in(values)
+            results = keras.tree.flatten(node.operation(*args, **kwargs))
+            values.update((id(t), r) for t, r in zip(node.output_tensors, results))
+        return keras.Model(block_inputs, [values[id(t)] for t in outputs], name=name), inputs, outputs
+
+
+def _recorded_graph(model: keras.Model):
+    parts = _compat.functional_graph(model)
+    if parts is not None:
+        return parts
+    if isinstance(model, keras.Sequential):
+        raise ValueError(
+            f"checkpoint_model needs a built model, and {model.name} is not: give the Sequential model a "
+            "keras.Input(...) first layer, or call model.build(input_shape) first."
+        )
+    raise TypeError(
+        f"checkpoint_model needs a functional or Sequential keras.Model, got a {type(model).__name__} "
+        "whose layer graph Keras does not record (a subclassed model). Wrap its blocks with "
+        "effgrad.Checkpoint(block) in its __init__ instead."
+    )
+
+
+def _size(node) -> int:
+    """Estimated activation elements per example kept by one layer call.
+
+    The output's size (unknown axes count as 1) times the number of layers
+    the call runs: a transformer layer keeps far more than its output.
+    """
+    out = sum(math.prod(d for d in t.shape[1:] if d is not None) for t in node.output_tensors)
+    inner = getattr(node.operation, "_flatten_layers", None)
+    return out * max(1, len(list(inner(include_self=False))) if inner else 1)
+
+
+def layer_graph(model: keras.Model) -> Graph:
+    """The layer calls of ``model`` (functional or built Sequential) and its cuts."""
+    nodes_by_depth, inputs, outputs = _recorded_graph(model)
+    nodes = [
+        node for depth in sorted(nodes_by_depth, reverse=True) for node in nodes_by_depth[depth] if not node.is_input
+    ]
+    inputs, outputs = keras.tree.flatten(inputs), keras.tree.flatten(outputs)
+    last_use = {id(t): len(nodes) for t in outputs}
+    for i, node in enumerate(nodes):
+        for t in node.input_tensors:
+            last_use[id(t)] = max(last_use.get(id(t), -1), i)
+
+    # Side tensors: model inputs and what weightless calls compute from them.
+    side = {id(t) for t in inputs}
+    for node in nodes:
+        if not getattr(node.operation, "weights", None) and all(id(t) in side for t in node.input_tensors):
+            side.update(id(t) for t in node.output_tensors)
+
+    cuts = []
+    alive = {id(t) for t in inputs}
+    for i, node in enumerate(nodes[:-1]):
+        alive.update(id(t) for t in node.output_tensors)
+        alive = {t for t in alive if last_use.get(t, -1) > i}
+        if sum(t not in side for t in alive) == 1:
+            cuts.append(i)
+    return Graph(nodes=nodes, inputs=inputs, outputs=outputs, cuts=cuts, sizes=[_size(node) for node in nodes])
+
+
+def choose_boundaries(graph: Graph, segments: int) -> list[int]:
+    """Up to ``segments - 1`` cuts splitting the activation volume evenly.
+
+    Returns the node indices after which a segment ends (strictly increasing);
+    fewer than asked when the cuts are too few or too close together.
+    """
+    if segments <= 1 or not graph.cuts:
+        return []
+    cumulative = np.cumsum(graph.sizes, dtype=np.float64)
+    total = cumulative[-1]
+    at_cuts = cumulative[graph.cuts]
+    chosen: list[int] = []
+    for j in range(1, segments):
+        candidates = [k for k, cut in enumerate(graph.cuts) if not chosen or cut > chosen[-1]]
+        if not candidates:
+            break
+        # Leave room for the segments still to place after this one.
+        remaining = segments - 1 - j
+        usable = candidates[: len(candidates) - remaining] if remaining < len(candidates) else candidates[:1]
+        best = min(usable, key=lambda k: abs(at_cuts[k] - total * j / segments))
+        chosen.append(graph.cuts[best])
+    return chosen

@@ -1,0 +1,210 @@
+"""checkpoint_model: any functional model, cut where every path passes, equal to the plain model."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+from test_checkpoint import count_calls
+
+MODES = ["eager", "function", "xla"]
+
+
+def _run(fn, mode):
+    return fn if mode == "eager" else tf.function(fn, jit_compile=mode == "xla", autograph=False)
+
+
+def _outputs_and_grads(model, variables, x, mode, training=True):
+    """Outputs and d sum(sin(outputs)) / d variables (given in the original model's order)."""
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            y = model(x, training=training)
+            loss = tf.add_n([tf.reduce_sum(tf.sin(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)])
+        return tf.nest.flatten(y), [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+
+    return _run(fn, mode)(x)
+
+
+def assert_same_computation(make, x, mode="function", training=True, segments="sqrt", atol=1e-5):
+    """``checkpoint_model(make())`` == ``make()``: outputs, gradients, state after the step."""
+    plain, original = make(), make()
+    checkpointed = effgrad.checkpoint_model(original, segments=segments)
+    y0, g0 = _outputs_and_grads(plain, plain.trainable_variables, x, mode, training)
+    y1, g1 = _outputs_and_grads(checkpointed, original.trainable_variables, x, mode, training)
+    assert_variables_close(y1, y0, atol=atol)
+    assert_variables_close(g1, g0, atol=atol, rtol=1e-4)
+    # BatchNorm statistics and seeds moved exactly as in the plain step (twice would differ).
+    assert_variables_close(original.non_trainable_variables, plain.non_trainable_variables, atol=atol)
+    return checkpointed, plain
+
+
+# ---------------------------------------------------------------- a small model, every mode
+def residual_net(seed=0, width=8, blocks=4, dropout=0.2):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(blocks):
+        branch = keras.layers.Dense(width, activation="relu")(h)
+        branch = keras.layers.Dropout(dropout)(branch)
+        branch = keras.layers.BatchNormalization()(branch)
+        h = keras.layers.Add()([h, keras.layers.Dense(width)(branch)])
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("training", [False, True])
+def test_residual_model_equal_plain_with_dropout_and_batchnorm(rng, mode, training):
+    x = tf.constant(rng.normal(size=(6, 8)).astype("float32"))
+    checkpointed, _ = assert_same_computation(residual_net, x, mode, training)
+    assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 3  # ceil(sqrt(4 + 1))
+
+
+def test_cuts_are_where_every_path_passes():
+    graph = effgrad.graph.layer_graph(residual_net(blocks=3))
+    names = [graph.nodes[i].operation.name for i in graph.cuts]
+    # Inside the first block the only other live tensor is the model input
+    # (passed along, not blocking); inside later blocks the block input is
+    # alive next to the branch, so only the residual sums are cuts.
+    first_branch = ["dense", "dropout", "batch_normalization", "dense_1"]
+    assert names == first_branch + ["add", "add_1", "add_2"]
+
+
+def test_segments_really_recompute(rng):
+    x = tf.constant(rng.normal(size=(6, 8)).astype("float32"))
+    original = residual_net()
+    checkpointed = effgrad.checkpoint_model(original, segments=2)
+    first_dense = [layer for layer in original.layers if isinstance(layer, keras.layers.Dense)]
+    counts = [count_calls(layer) for layer in first_dense]
+    _outputs_and_grads(checkpointed, original.trainable_variables, x, "eager")
+    assert [len(c) for c in counts] == [2] * len(counts)  # every layer: forward + recompute
+    checkpointed(x)
+    assert [len(c) for c in counts] == [3] * len(counts)  # no gradient, no recompute
+
+
+def test_shares_variables_and_trains_the_original(rng):
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    original = residual_net(dropout=0.0)
+    checkpointed = effgrad.checkpoint_model(original)
+    assert {id(v) for v in checkpointed.weights} == {id(v) for v in original.weights}
+    plain = residual_net(dropout=0.0)
+    for model in (plain, checkpointed):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    h0 = plain.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    # micro_batches=1: BatchNorm normalizes with the statistics of the batch it sees
+    effgrad.attach(checkpointed, micro_batches=1)
+    h1 = checkpointed.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-4)
+    assert_variables_close(original.weights, plain.weights, atol=1e-5, rtol=1e-4)
+
+
+def test_keras_masks_cross_segments(rng):
+    def make():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((7,), dtype="int32")
+        h = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+        h = keras.layers.Dense(8, activation="tanh")(h)
+        h = keras.layers.Dense(8, activation="tanh")(h)
+        return keras.Model(tokens, keras.layers.GRU(4)(h))
+
+    x = tf.constant([[3, 4, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]], dtype=tf.int32)
+    checkpointed, _ = assert_same_computation(make, x, "function", segments=3)
+    # The mask really reaches the GRU in another segment: padding changes nothing.
+    padded_junk = tf.constant([[3, 4, 5, 0, 0, 0, 0]], tf.int32)
+    np.testing.assert_allclose(checkpointed(padded_junk), checkpointed(x[:1]), atol=1e-6)
+    assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 3
+
+
+def test_keras_file_round_trip_and_original_still_saves(rng, tmp_path):
+    x = rng.normal(size=(4, 8)).astype("float32")
+    original = residual_net()
+    checkpointed = effgrad.checkpoint_model(original)
+    checkpointed.save(tmp_path / "ck.keras")
+    original.save(tmp_path / "original.keras")  # building the segments left the original intact
+    loaded = keras.models.load_model(tmp_path / "ck.keras")
+    np.testing.assert_allclose(loaded(x), original(x), atol=1e-6)
+    assert sum(isinstance(layer, effgrad.Checkpoint) for layer in loaded.layers) == 3
+
+
+def test_sequential_and_functional_chain(rng):
+    def vgg_like():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = inputs
+        for filters in (4, 4, 8, 8):
+            h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+
+    x = tf.constant(rng.normal(size=(2, 8, 8, 3)).astype("float32"))
+    assert_same_computation(vgg_like, x)
+    # checkpoint_sequential takes a functional chain too (it used to say "not a linear stack")
+    chain = effgrad.checkpoint_sequential(vgg_like(), segments=2)
+    np.testing.assert_allclose(chain(x), vgg_like()(x), atol=1e-6)
+
+
+# ---------------------------------------------------------------- memory
+DEPTH, WIDTH, BATCH = 16, 256, 512
+
+
+def _deep_residual():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTH,))
+    h = inputs
+    for _ in range(DEPTH):
+        h = keras.layers.Add()([h, keras.layers.Dense(WIDTH, activation="relu")(h)])
+    return keras.Model(inputs, h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_added_memory_falls_as_segments_grow(mode):
+    x = tf.random.normal([BATCH, WIDTH])
+    peaks = []
+    for segments in (None, 2, 4):
+        model = _deep_residual()
+        if segments:
+            model = effgrad.checkpoint_model(model, segments=segments)
+
+        def grads(x, model=model):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True))
+            return [tf.reduce_sum(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+        fn = _run(grads, mode)
+        fn(x)  # trace/compile outside the measurement
+        peaks.append(effgrad.memory.measure(fn, x).extra_bytes)
+    activation = BATCH * WIDTH * 4
+    print(mode, [f"{p / 2**20:.1f} MiB" for p in peaks])
+    if mode != "xla":  # XLA:CPU plans its own buffers: only the ordering is promised there
+        assert peaks[0] > DEPTH * activation  # the plain model keeps every block's activation
+    assert peaks[1] < 0.8 * peaks[0]
+    assert peaks[2] < 0.9 * peaks[1]
+
+
+# ---------------------------------------------------------------- bad input
+def test_errors_and_warnings():
+    with pytest.raises(TypeError, match="needs a keras.Model"):
+        effgrad.checkpoint_model(keras.layers.Dense(3))
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    with pytest.raises(TypeError, match="subclassed"):
+        effgrad.checkpoint_model(Subclassed())
+    with pytest.raises(ValueError, match="needs a built model"):
+        effgrad.checkpoint_model(keras.Sequential([keras.layers.Dense(3)]))
+    one_layer = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="cannot be cut into segments"):
+        effgrad.checkpoint_model(one_layer, segments=2)
+    assert len(effgrad.checkpoint_model(one_layer, segments=1).layers) == 2  # whole model, one segment
+    with pytest.warns(UserWarning, match="at most 9 segments"):  # 8 cuts
+        effgrad.checkpoint_model(residual_net(), segments=20)
+    with pytest.raises(ValueError, match="at least 1"):
+        effgrad.checkpoint_model(residual_net(), segments=0)

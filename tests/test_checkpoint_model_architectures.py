@@ -1,0 +1,92 @@
+"""checkpoint_model on architectures nobody here wrote: keras.applications and keras_hub backbones.
+
+Built from constructor arguments with random weights (``weights=None``, no
+presets): nothing is downloaded.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from test_checkpoint_model import assert_same_computation
+
+APPLICATIONS = ["ResNet50", "MobileNetV2", "DenseNet121", "EfficientNetB0"]
+
+
+def _application(name):
+    def make():
+        keras.utils.set_random_seed(0)
+        return getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=5)
+
+    return make
+
+
+@pytest.mark.parametrize("name", APPLICATIONS)
+def test_applications_equal_plain_in_training_and_inference(rng, name):
+    x = tf.constant(rng.normal(size=(2, 32, 32, 3)).astype("float32"))
+    checkpointed, plain = assert_same_computation(_application(name), x, training=True, atol=1e-4)
+    np.testing.assert_allclose(checkpointed(x, training=False), plain(x, training=False), atol=1e-5)
+    segments = sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers)
+    assert segments >= 4
+
+
+def _backbone(kind, dropout=0.1):
+    def make():
+        keras.utils.set_random_seed(0)
+        cls = {"gpt2": keras_hub.models.GPT2Backbone, "bert": keras_hub.models.BertBackbone}[kind]
+        return cls(
+            vocabulary_size=50,
+            num_layers=3,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=16,
+            dropout=dropout,
+        )
+
+    return make
+
+
+def _tokens(rng, kind):
+    padding_mask = np.array([[1] * 12, [1] * 7 + [0] * 5], dtype="int32")
+    x = {"token_ids": rng.integers(1, 50, size=(2, 12)).astype("int32") * padding_mask, "padding_mask": padding_mask}
+    if kind == "bert":
+        x["segment_ids"] = np.zeros((2, 12), dtype="int32")
+    return {k: tf.constant(v) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_keras_hub_backbones_equal_plain_with_padding_and_dropout(rng, kind, mode):
+    x = _tokens(rng, kind)
+    for training in (True, False):  # training: dropout masks must match the plain model's
+        checkpointed, _ = assert_same_computation(_backbone(kind), x, mode=mode, training=training, atol=1e-4)
+    # The padding mask is carried to every segment, not dropped: padded tokens change nothing.
+    other = dict(x, token_ids=tf.where(x["padding_mask"] > 0, x["token_ids"], 7))
+    first = tf.nest.flatten(checkpointed(x))[-1 if kind == "bert" else 0]
+    second = tf.nest.flatten(checkpointed(other))[-1 if kind == "bert" else 0]
+    np.testing.assert_allclose(first[1, :7], second[1, :7], atol=1e-5)
+    assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) >= 2
+
+
+def test_keras_hub_round_trip(rng, tmp_path):
+    x = _tokens(rng, "bert")
+    original = _backbone("bert")()
+    checkpointed = effgrad.checkpoint_model(original, segments=3)
+    checkpointed.save(tmp_path / "bert.keras")
+    loaded = keras.models.load_model(tmp_path / "bert.keras")
+    for a, b in zip(tf.nest.flatten(loaded(x)), tf.nest.flatten(original(x))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_checkpoint_sequential_refuses_what_it_cannot_carry():
+    resnet = _application("ResNet50")()
+    with pytest.raises(ValueError, match="not a chain.*checkpoint_model"):
+        effgrad.checkpoint_sequential(resnet.layers)
+    bert = _backbone("bert")()
+    # each transformer layer was called with padding_mask=: a stack would drop it
+    with pytest.raises(ValueError, match="padding_mask.*checkpoint_model"):
+        effgrad.checkpoint_sequential(bert.transformer_layers)
