@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.__main__ import SUITES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,16 +22,7 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for suite in (
-        "accumulation",
-        "loss_scaling",
-        "diagnostics",
-        "checkpointing",
-        "checkpoint_model",
-        "segments",
-        "distributed",
-        "saliency",
-    ):
+    for suite in SUITES:
         payload = json.loads((tmp_path / f"{suite}.json").read_text())
         assert payload["environment"]["tensorflow"] and payload["environment"]["cpu"]
         assert payload["rows"], suite

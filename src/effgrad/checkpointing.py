@@ -407,7 +407,7 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
     if not isinstance(model, keras.Model):
         raise TypeError(f"checkpoint_model needs a keras.Model, got {type(model).__name__}.")
     g = graph.layer_graph(model)
-    _, inputs_struct, outputs_struct = _compat.functional_graph(model)
+    inputs_struct, outputs_struct = g.structure
     if segments != 1 and not g.cuts:
         raise ValueError(
             f"{model.name} cannot be cut into segments: no tensor of its graph is one that every path from "

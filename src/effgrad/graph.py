@@ -45,6 +45,8 @@ class Graph:
         cuts: Indices ``i`` of ``nodes`` after which exactly one non-side
             tensor is alive (and something is left to compute).
         sizes: Estimated activation elements per example of each call.
+        structure: The model's ``(inputs, outputs)`` with their nesting
+            (dicts of named inputs, lists).
     """
 
     nodes: list
@@ -52,6 +54,7 @@ class Graph:
     outputs: list
     cuts: list[int]
     sizes: list[int]
+    structure: tuple
 
     def segment_io(self, start: int, stop: int) -> tuple[list, list]:
         """Inputs (produced before ``start``) and outputs (needed after ``stop``) of ``nodes[start:stop]``."""
@@ -123,11 +126,11 @@ def _size(node) -> int:
 
 def layer_graph(model: keras.Model) -> Graph:
     """The layer calls of ``model`` (functional or built Sequential) and its cuts."""
-    nodes_by_depth, inputs, outputs = _recorded_graph(model)
+    nodes_by_depth, inputs_struct, outputs_struct = _recorded_graph(model)
     nodes = [
         node for depth in sorted(nodes_by_depth, reverse=True) for node in nodes_by_depth[depth] if not node.is_input
     ]
-    inputs, outputs = keras.tree.flatten(inputs), keras.tree.flatten(outputs)
+    inputs, outputs = keras.tree.flatten(inputs_struct), keras.tree.flatten(outputs_struct)
     last_use = {id(t): len(nodes) for t in outputs}
     for i, node in enumerate(nodes):
         for t in node.input_tensors:
@@ -146,7 +149,14 @@ def layer_graph(model: keras.Model) -> Graph:
         alive = {t for t in alive if last_use.get(t, -1) > i}
         if sum(t not in side for t in alive) == 1:
             cuts.append(i)
-    return Graph(nodes=nodes, inputs=inputs, outputs=outputs, cuts=cuts, sizes=[_size(node) for node in nodes])
+    return Graph(
+        nodes=nodes,
+        inputs=inputs,
+        outputs=outputs,
+        cuts=cuts,
+        sizes=[_size(node) for node in nodes],
+        structure=(inputs_struct, outputs_struct),
+    )
 
 
 def choose_boundaries(graph: Graph, segments: int) -> list[int]:
