@@ -88,15 +88,65 @@ def test_smoothgrad_zero_noise_is_gradient_and_seeded_noise_reproduces(data):
     assert not np.allclose(a, plain)
 
 
-def test_smoothgrad_averages_noisy_gradients(rng):
-    """SmoothGrad of a quadratic is the gradient at x plus zero-mean noise: check the mean."""
-    keras.utils.set_random_seed(0)
-    x = rng.uniform(0, 1, size=(1, 8)).astype("float32")
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Lambda(lambda t: tf.reduce_sum(t * t, -1, keepdims=True))]
+def _elementwise_model(fn, features):
+    """A model whose single output is ``sum(fn(x))``: its gradients are known in closed form."""
+    return keras.Sequential(
+        [keras.Input((features,)), keras.layers.Lambda(lambda t: tf.reduce_sum(fn(t), -1, keepdims=True))]
     )
-    maps = effgrad.saliency(model, x, method="smoothgrad", samples=400, noise=0.1, progress=False)
-    np.testing.assert_allclose(maps, 2 * x, atol=0.05)  # d sum(x^2)/dx = 2x; noise averages out
+
+
+def test_smoothgrad_observes_sigma_on_a_cubic_score(rng):
+    """For score = sum(x^3): E[3 (x + sigma n)^2] = 3 x^2 + 3 sigma^2, so the map reveals sigma.
+
+    sigma = noise * (max(x) - min(x)); a method that drew no noise, the wrong scale, or noise
+    correlated across samples misses by many standard errors.
+    """
+    x = np.array([[0.0, 0.5, 1.0, 2.0, -1.0, 1.5]], "float32")  # range 3: sigma = 0.2 * 3 = 0.6
+    model = _elementwise_model(lambda t: t**3, 6)
+    samples, sigma = 4096, 0.6
+    maps = effgrad.saliency(
+        model, x, method="smoothgrad", samples=samples, noise=0.2, samples_per_pass=512, progress=False
+    )
+    expected = 3 * x**2 + 3 * sigma**2
+    # Var[3 (x + s n)^2] = 9 (4 x^2 s^2 + 2 s^4): the mean's standard error per element.
+    stderr = np.sqrt(9 * (4 * x**2 * sigma**2 + 2 * sigma**4) / samples)
+    assert np.all(np.abs(maps - expected) < 5 * stderr), (maps, expected, stderr)
+    assert np.all(np.abs(maps - 3 * x**2) > 5 * stderr)  # sigma really is there (3 sigma^2 = 1.08)
+
+
+def test_smoothgrad_noise_is_standard_normal_and_independent_per_row():
+    from effgrad.explain.methods import counter_normal
+
+    z = counter_normal(3, tf.range(4), tf.range(1000, dtype=tf.int64) + 2**33, (8, 8), tf.float32).numpy()
+    assert z.shape == (4, 1000, 8, 8)
+    flat = z.reshape(-1)
+    assert abs(flat.mean()) < 0.01 and abs(flat.std() - 1) < 0.01
+    assert abs(np.mean(flat**4) - 3) < 0.1  # normal kurtosis, not uniform (1.8)
+    corr = np.corrcoef(z.reshape(4000, 64).T)
+    assert np.abs(corr - np.eye(64)).max() < 0.1  # elements of a row are independent
+    again = counter_normal(3, tf.constant([2]), tf.constant([2**33 + 5], tf.int64), (8, 8), tf.float32).numpy()
+    np.testing.assert_array_equal(again[0, 0], z[2, 5])  # a pure function of (seed, sample, row)
+
+
+@pytest.mark.parametrize("method, options", [("smoothgrad", {"samples": 5}), ("integrated_gradients", {"steps": 6})])
+def test_several_points_per_pass_give_the_same_maps(data, method, options):
+    model = _cnn()
+    one = effgrad.saliency(model, data, method=method, batch_size=5, progress=False, **options)
+    key = "samples_per_pass" if method == "smoothgrad" else "steps_per_pass"
+    for per_pass in (2, 3, 7):  # 7 > samples: clamped; 2, 3: a padded last pass
+        many = effgrad.saliency(model, data, method=method, batch_size=5, progress=False, **options, **{key: per_pass})
+        np.testing.assert_allclose(many, one, rtol=1e-5, atol=1e-6, err_msg=f"{key}={per_pass}")
+
+
+def test_integrated_gradients_is_exact_for_a_quadratic(rng):
+    """score = sum(x^2): the path gradient 2 a x is linear in a, the trapezoid rule is exact,
+    and the map is x^2 - x0^2... with a zero baseline exactly x^2 (sum = f(x) - f(0))."""
+    x = rng.uniform(-2, 2, size=(7, 12)).astype("float32")
+    model = _elementwise_model(tf.square, 12)
+    for steps in (1, 3, 32):
+        maps = effgrad.saliency(model, x, method="integrated_gradients", steps=steps, progress=False)
+        np.testing.assert_allclose(maps, x**2, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(maps.sum(-1), (x**2).sum(-1), rtol=1e-6)
 
 
 def test_integrated_gradients_completeness(rng):
@@ -138,9 +188,9 @@ def test_float16_output(data):
 
 
 def test_short_last_batch_does_not_retrace(data):
-    from effgrad.explain import engine
+    from effgrad.explain.plan import prepare
 
-    job, *_ = engine._plan(_cnn(), data, method="smoothgrad", samples=2, reduce="l2")
+    job = prepare(_cnn(), data, method="smoothgrad", samples=2, reduce="l2").job
     for n in (5, 5, 3, 1):
         job.maps(tf.constant(data[:n]), tf.zeros([n], tf.int32), tf.constant(0, tf.int64))
     assert job.trace_count == 1

@@ -1,5 +1,6 @@
 """Streaming saliency: every input kind and sink agree; resume; bounded memory; bad input; CLI."""
 
+import errno
 import json
 import os
 import signal
@@ -231,10 +232,10 @@ def test_bad_inputs_fail_before_any_work(tmp_path, x):
         effgrad.saliency(model, x, reduce="abs_sum", out=buffer, progress=False)  # needs (50, 8, 8)
     with pytest.raises(ValueError, match="dtype"):
         effgrad.saliency(model, x, dtype="float16", out=buffer, progress=False)
-    with pytest.raises(ValueError, match="num_examples"):
-        effgrad.saliency(model, (b for b in [x[:10]]), progress=False)
-    with pytest.raises(ValueError, match="num_examples"):
-        effgrad.saliency(model, tf.data.Dataset.from_tensor_slices(x).batch(8), progress=False)
+    with pytest.raises(ValueError, match="num_examples=7 but the inputs hold"):
+        effgrad.saliency(model, x, num_examples=7, out=buffer, progress=False)
+    with pytest.raises(ValueError, match="resume=True continues a file"):
+        effgrad.saliency(model, x, out=buffer, resume=True, progress=False)
     assert (buffer == 7.0).all()  # untouched
     existing = tmp_path / "maps.npy"
     existing.write_bytes(b"precious")
@@ -243,12 +244,14 @@ def test_bad_inputs_fail_before_any_work(tmp_path, x):
     assert existing.read_bytes() == b"precious"
 
 
-def test_progress_bar_reports_rate_and_eta(capsys, x):
+def test_progress_is_a_keras_progbar(capsys, x):
     effgrad.saliency(_model(), x, batch_size=10, progress=True)
-    err = capsys.readouterr().err
-    assert "50/50" in err and "examples/s" in err and "ETA" in err
+    shown = capsys.readouterr().out
+    assert "50/50" in shown and "/example" in shown  # Keras's bar: rows done and time per example
+    effgrad.saliency(_model(), (x[i : i + 10] for i in range(0, 50, 10)), progress=True)
+    assert "50/Unknown" in capsys.readouterr().out  # a generator of unknown length
     effgrad.saliency(_model(), x, batch_size=10, progress=False)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr() == ("", "")
 
 
 def test_cli_end_to_end(tmp_path, x):
@@ -346,5 +349,96 @@ def test_a_run_that_computed_nothing_leaves_no_file(tmp_path, x):
         effgrad.saliency(model, x, out=path, progress=False, target=lambda y: y.no_such_thing)
     assert list(tmp_path.iterdir()) == []
     effgrad.saliency(model, x, out=path, progress=False)  # a plain rerun works
-    with pytest.raises(ValueError, match="num_examples=7 but the inputs hold"):
-        effgrad.saliency(model, x, num_examples=7, progress=False)
+
+
+# ---------------------------------------------------------------- unknown length, disk space, locking
+def test_datasets_and_generators_need_no_num_examples(tmp_path, x):
+    model = _model()
+    expected = effgrad.saliency(model, x, batch_size=16, reduce="l2", progress=False)
+    sources = {
+        "dataset": lambda: tf.data.Dataset.from_tensor_slices(x).batch(16),
+        "dataset of (x, y)": lambda: tf.data.Dataset.from_tensor_slices((x, np.arange(50))).batch(16),
+        "generator": lambda: (x[i : i + 7] for i in range(0, 50, 7)),
+    }
+    for name, make in sources.items():
+        got = effgrad.saliency(model, make(), reduce="l2", progress=False)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+        path = tmp_path / f"{name}.npy"
+        on_disk = effgrad.saliency(model, make(), reduce="l2", out=path, progress=False)
+        assert on_disk.shape == (50, 8, 8)
+        np.testing.assert_allclose(np.load(path), expected, rtol=1e-6, err_msg=name)  # a standard .npy
+    buffer = np.zeros((50, 8, 8), "float32")
+    effgrad.saliency(model, sources["generator"](), reduce="l2", out=buffer, progress=False)
+    np.testing.assert_allclose(buffer, expected, rtol=1e-6)
+    with pytest.raises(ValueError, match="held 50 examples but the output buffer has 60"):
+        effgrad.saliency(
+            model, sources["generator"](), reduce="l2", out=np.zeros((60, 8, 8), "float32"), progress=False
+        )
+
+
+def test_unknown_length_file_resumes_after_an_interruption(tmp_path, x):
+    model = _model()
+    expected = effgrad.saliency(model, x, batch_size=8, progress=False)
+    path = tmp_path / "maps.npy"
+
+    def batches(die_at=None):
+        for i in range(0, 50, 8):
+            if i == die_at:
+                raise RuntimeError("killed")
+            yield x[i : i + 8]
+
+    with pytest.raises(RuntimeError, match="killed"):
+        effgrad.saliency(model, batches(die_at=24), batch_size=8, out=path, progress=False)
+    assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["committed"] == 24
+    assert np.load(path).shape == (0, 8, 8, 1)  # the header names no rows until the length is known
+    maps = effgrad.saliency(model, batches(), batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(maps, expected)
+    np.testing.assert_array_equal(np.load(path), expected)
+    with open(path, "r+b") as f:  # a damaged finished file is not taken as whole
+        f.truncate(path.stat().st_size - 4)
+    with pytest.raises(ValueError, match="missing or damaged"):
+        effgrad.saliency(model, batches(), batch_size=8, out=path, resume=True, progress=False)
+
+
+def test_not_enough_disk_space_is_an_error_before_any_work(tmp_path, x, monkeypatch):
+    import shutil as shutil_module
+
+    from effgrad.explain import sinks
+
+    model = _model()
+    path = tmp_path / "maps.npy"
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(sinks.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(OSError, match=r"needs 0\.0 MiB, 0\.0 MiB are free") as err:
+        effgrad.saliency(model, x, out=path, progress=False)
+    assert err.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_space_is_reserved_up_front(tmp_path, x, monkeypatch):
+    """A full disk fails the reservation (a clear error, no file), not a write (SIGBUS through a memmap)."""
+    from effgrad.explain import sinks
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="Not enough disk space"):
+        effgrad.saliency(_model(), x, out=tmp_path / "maps.npy", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    effgrad.saliency(_model(), x, out=tmp_path / "maps.npy", progress=False)
+    assert os.stat(tmp_path / "maps.npy").st_blocks * 512 >= 50 * 8 * 8 * 4  # blocks allocated, not sparse
+
+
+def test_one_writer_per_output_file(tmp_path, x):
+    from effgrad.explain.sinks import _OutputLock
+
+    path = tmp_path / "maps.npy"
+    held = _OutputLock(path)  # another writer (flock conflicts between open files, even in one process)
+    with pytest.raises(BlockingIOError, match="being written by another process"):
+        effgrad.saliency(_model(), x, out=path, progress=False)
+    assert not path.exists() and not (tmp_path / "maps.npy.journal.json").exists()
+    held.release()
+    effgrad.saliency(_model(), x, out=path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["maps.npy", "maps.npy.journal.json"]  # lock removed

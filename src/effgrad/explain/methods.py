@@ -2,10 +2,11 @@
 
 Every method maps ``(score_fn, x)`` to attributions with ``x``'s shape, where
 ``score_fn(x) -> [B]`` is the differentiated score of each example (its
-target logit). Shared behaviour lives once in :class:`SaliencyMethod`:
-input gradients, and averaging over noise samples or path steps one at a time
-(a sequential ``tf.while_loop``), so memory is one batch's worth whatever
-``samples`` or ``steps`` is.
+target logit). Shared behaviour lives once: input gradients, and weighted
+sums of gradients over noise samples or path points (``weighted_gradient_sum``:
+``*_per_pass`` points stacked into one evaluation, passes one after another in
+a ``tf.while_loop``), so memory is ``*_per_pass`` batches whatever ``samples``
+or ``steps`` is.
 
 =====================  =====================================================
 ``gradient``           ``d score / d x``
@@ -25,7 +26,16 @@ import tensorflow as tf
 
 from effgrad import _checks
 
-__all__ = ["SaliencyMethod", "Gradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "get", "METHODS"]
+__all__ = [
+    "SaliencyMethod",
+    "Gradient",
+    "GradientXInput",
+    "SmoothGrad",
+    "IntegratedGradients",
+    "get",
+    "METHODS",
+    "counter_normal",
+]
 
 
 def input_gradients(score_fn, x: tf.Tensor) -> tf.Tensor:
@@ -46,6 +56,74 @@ def sequential_sum(n: int, term, like: tf.Tensor) -> tf.Tensor:
 
     _, total = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), tf.zeros_like(like)))
     return total
+
+
+def weighted_gradient_sum(score_fn, x: tf.Tensor, count: int, per_pass: int, point, weight) -> tf.Tensor:
+    """``sum_k weight(k) * d score / d x at point(k)`` for ``k < count``.
+
+    ``point(ks) -> [P, B, ...]`` builds the inputs of ``P`` points at once;
+    ``per_pass`` points are stacked along the batch axis into one gradient
+    evaluation (``per_pass x B`` rows: better use of a wide accelerator),
+    and passes run one after another, so memory is ``per_pass`` batches
+    whatever ``count`` is. A last partial pass pads with zero-weight points.
+    """
+    passes = -(-count // per_pass)
+
+    def one_pass(i):
+        ks = i * per_pass + tf.range(per_pass)
+        valid = ks < count
+        ks = tf.minimum(ks, count - 1)
+        inputs = point(ks)
+        flat = tf.reshape(inputs, tf.concat([[-1], tf.shape(x)[1:]], 0))
+        grads = tf.reshape(input_gradients(score_fn, flat), tf.shape(inputs))
+        w = tf.where(valid, tf.cast(weight(ks), x.dtype), tf.zeros([], x.dtype))
+        return tf.tensordot(w, grads, axes=1)
+
+    return sequential_sum(passes, one_pass, x)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: tf.Tensor, c: int) -> tf.Tensor:
+    """``h * c mod 2**32`` for ``h < 2**32`` in int64, with no signed overflow."""
+    lo = tf.bitwise.bitwise_and(h, 0xFFFF) * c
+    hi = tf.bitwise.left_shift(tf.bitwise.bitwise_and(tf.bitwise.right_shift(h, 16) * c, 0xFFFF), 16)
+    return tf.bitwise.bitwise_and(lo + hi, _M32)
+
+
+def _mix32(h: tf.Tensor) -> tf.Tensor:
+    """A 32-bit integer hash with full avalanche (Wellons' lowbias32)."""
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16))
+    h = _mul32(h, 0x7FEB352D)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 15))
+    h = _mul32(h, 0x846CA68B)
+    return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16))
+
+
+def counter_normal(seed: int, samples: tf.Tensor, rows: tf.Tensor, example_shape, dtype) -> tf.Tensor:
+    """Standard normal noise ``[P, B, *example_shape]``, a pure function of
+    ``(seed, sample, dataset row, element)``.
+
+    Counter-based (hash, then Box-Muller), so every row's noise is drawn in one
+    vectorized op and does not depend on which batch or replica the row is in
+    (``tf.random.stateless_normal`` takes one seed per call: per-row seeds
+    needed a ``map_fn`` over rows).
+    """
+    size = int(np.prod(example_shape, dtype=np.int64))
+    key = _mix32(tf.bitwise.bitwise_xor(_mix32(tf.constant(seed & _M32, tf.int64)), tf.cast(samples, tf.int64)))
+    rows = tf.cast(rows, tf.int64)
+    row_key = _mix32(tf.bitwise.bitwise_and(rows, _M32) ^ _mix32(tf.bitwise.right_shift(rows, 32)))
+    key = _mix32(tf.bitwise.bitwise_xor(key[:, None], row_key[None, :]))[..., None]  # [P, B, 1]
+    element = 2 * tf.range(size, dtype=tf.int64)
+    h1 = _mix32(tf.bitwise.bitwise_xor(key, _mix32(element)))
+    h2 = _mix32(tf.bitwise.bitwise_xor(key, _mix32(element + 1)))
+    scale = 2.0**-24
+    u1 = (tf.cast(tf.bitwise.right_shift(h1, 8), tf.float32) + 1.0) * scale  # (0, 1]: log is finite
+    u2 = tf.cast(tf.bitwise.right_shift(h2, 8), tf.float32) * scale
+    z = tf.sqrt(-2.0 * tf.math.log(u1)) * tf.cos(2.0 * np.pi * u2)
+    shape = tf.concat([tf.shape(key)[:2], tf.constant(example_shape, tf.int32)], 0)
+    return tf.cast(tf.reshape(z, shape), dtype)
 
 
 class SaliencyMethod:
@@ -103,74 +181,108 @@ class GradientXInput(SaliencyMethod):
 class SmoothGrad(SaliencyMethod):
     """Gradient averaged over noisy copies of the input (Smilkov et al., 2017).
 
+    Algorithm::
+
+        sigma = noise * (max(x) - min(x))              # per example
+        map   = mean over s < samples of  d score / d x  at  x + sigma * N_s(row)
+
     Options: ``samples`` (25), ``noise`` (0.15: the noise's standard deviation
-    as a fraction of each example's value range ``max(x) - min(x)``), ``seed``
-    (0). Each row's noise is drawn with stateless RNG from ``(seed, sample,
-    row index in the dataset)``: reproducible, and independent of
-    ``batch_size`` and of the number of replicas.
+    as a fraction of each example's value range), ``seed`` (0),
+    ``samples_per_pass`` (1: how many noisy copies share one gradient
+    evaluation; more uses a wide accelerator better, at that many batches of
+    memory). Each row's noise is a pure function of ``(seed, sample, row
+    index in the dataset)``: reproducible, and independent of ``batch_size``,
+    ``samples_per_pass`` and the number of replicas.
     """
 
     name = "smoothgrad"
-    defaults = {"samples": 25, "noise": 0.15, "seed": 0}
+    defaults = {"samples": 25, "noise": 0.15, "seed": 0, "samples_per_pass": 1}
 
     def __init__(self, **options):
         super().__init__(**options)
         samples, noise = self.options["samples"], self.options["noise"]
         self.options["samples"] = _checks.positive_int(samples, "smoothgrad samples")
-        if not isinstance(noise, (int, float)) or noise < 0:
+        self.options["samples_per_pass"] = min(
+            _checks.positive_int(self.options["samples_per_pass"], "smoothgrad samples_per_pass"),
+            self.options["samples"],
+        )
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
             raise ValueError(f"smoothgrad noise must be a number >= 0 (a fraction of the value range), got {noise!r}.")
+        if isinstance(self.options["seed"], bool) or not isinstance(self.options["seed"], (int, np.integer)):
+            raise ValueError(f"smoothgrad seed must be an int, got {self.options['seed']!r}.")
+
+    def config(self) -> dict:
+        config = super().config()
+        del config["samples_per_pass"]  # how, not what: a resume may change it
+        return config
 
     def attribute(self, score_fn, x, row_offset):
-        samples, seed = int(self.options["samples"]), int(self.options["seed"])
+        samples = self.options["samples"]
         axes = list(range(1, x.shape.rank))
         spread = tf.reduce_max(x, axis=axes, keepdims=True) - tf.reduce_min(x, axis=axes, keepdims=True)
         sigma = float(self.options["noise"]) * spread
         rows = tf.cast(row_offset, tf.int64) + tf.range(tf.shape(x, out_type=tf.int64)[0])
 
-        def one_sample(i):
-            # Each row's noise depends on (seed, sample, dataset row) only, so
-            # maps do not change with batch_size or the number of replicas.
-            def row_noise(row):
-                key = tf.stack([tf.cast(seed, tf.int64) * samples + tf.cast(i, tf.int64), row])
-                return tf.random.stateless_normal(tf.shape(x)[1:], seed=key, dtype=x.dtype)
+        def point(ks):
+            noise = counter_normal(int(self.options["seed"]), ks, rows, tuple(x.shape[1:].as_list()), x.dtype)
+            return x[None] + sigma[None] * noise
 
-            noise = tf.map_fn(row_noise, rows, fn_output_signature=tf.TensorSpec(x.shape[1:], x.dtype))
-            return input_gradients(score_fn, x + sigma * noise)
-
-        return sequential_sum(samples, one_sample, x) / samples
+        total = weighted_gradient_sum(
+            score_fn, x, samples, self.options["samples_per_pass"], point, lambda ks: tf.ones_like(ks)
+        )
+        return total / samples
 
 
 class IntegratedGradients(SaliencyMethod):
     """Path integral of gradients from a baseline (Sundararajan et al., 2017).
 
-    Options: ``steps`` (64: trapezoid intervals, ``steps + 1`` gradients) and
-    ``baseline`` (``None`` = zeros; or an array broadcastable to one input).
+    Algorithm (trapezoid rule over ``steps`` intervals)::
+
+        a_k   = k / steps,  k = 0 .. steps;   w_k = 1/2 at both ends, else 1
+        map   = (x - x0) * sum_k w_k * d score / d x  at  x0 + a_k (x - x0)  / steps
+
+    Options: ``steps`` (64), ``baseline`` (``None`` = zeros; or an array
+    broadcastable to one input) and ``steps_per_pass`` (1: path points per
+    gradient evaluation, as SmoothGrad's ``samples_per_pass``).
     Completeness: ``sum(map) ~= score(x) - score(baseline)`` up to the
-    trapezoid error, which falls as ``1 / steps**2`` for smooth models.
+    trapezoid error, which falls as ``1 / steps**2`` for smooth models and is
+    zero when the gradient is linear along the path.
     """
 
     name = "integrated_gradients"
-    defaults = {"steps": 64, "baseline": None}
+    defaults = {"steps": 64, "baseline": None, "steps_per_pass": 1}
 
     def __init__(self, **options):
         super().__init__(**options)
         steps = self.options["steps"]
         self.options["steps"] = _checks.positive_int(steps, "integrated_gradients steps")
+        self.options["steps_per_pass"] = min(
+            _checks.positive_int(self.options["steps_per_pass"], "integrated_gradients steps_per_pass"), steps + 1
+        )
         if self.options["baseline"] is not None:
             self.options["baseline"] = np.asarray(self.options["baseline"], dtype="float32")
 
+    def config(self) -> dict:
+        config = super().config()
+        del config["steps_per_pass"]  # how, not what: a resume may change it
+        return config
+
     def attribute(self, score_fn, x, row_offset):
-        steps = int(self.options["steps"])
+        steps = self.options["steps"]
         baseline = self.options["baseline"]
         baseline = tf.zeros_like(x) if baseline is None else tf.broadcast_to(tf.cast(baseline, x.dtype), tf.shape(x))
         delta = x - baseline
+        extra = [1] * (x.shape.rank - 1)
 
-        def point(k):
-            alpha = tf.cast(k, x.dtype) / steps
-            weight = tf.where((k == 0) | (k == steps), 0.5, 1.0)  # trapezoid rule
-            return tf.cast(weight, x.dtype) * input_gradients(score_fn, baseline + alpha * delta)
+        def point(ks):
+            alpha = tf.reshape(tf.cast(ks, x.dtype) / steps, [-1, 1, *extra])
+            return baseline[None] + alpha * delta[None]
 
-        return delta * sequential_sum(steps + 1, point, x) / steps
+        def weight(ks):
+            return tf.where((ks == 0) | (ks == steps), 0.5, 1.0)  # trapezoid rule
+
+        total = weighted_gradient_sum(score_fn, x, steps + 1, self.options["steps_per_pass"], point, weight)
+        return delta * total / steps
 
 
 METHODS = {cls.name: cls for cls in (Gradient, GradientXInput, SmoothGrad, IntegratedGradients)}

@@ -1,23 +1,79 @@
 """Where maps go: host arrays, preallocated buffers, resumable ``.npy`` files.
 
-A sink receives each batch's maps in order (``write``) and is told when rows
-are safe to count as done (``commit``). The ``.npy`` file sink keeps a small
-JSON journal next to the file, rewritten atomically *after* the rows it names
-were flushed, so a run killed at any point (SIGKILL included) resumes from
-the last committed row and produces the same file as an uninterrupted run.
+Every sink implements :class:`Sink`: it receives each batch's maps in row
+order (``write``), is told when rows are safe to count as done (``commit``)
+and when the last row is in (``finish``), and is always closed (``close``).
+
+The ``.npy`` file sink keeps a small JSON journal next to the file, rewritten
+atomically *after* the rows it names reached the disk, so a run killed at any
+point (SIGKILL included) resumes from the last committed row and produces the
+same file as an uninterrupted run. Order of creation, so that every crash
+leaves a state a resume recognizes::
+
+    lock   maps.npy.lock       flock: one writer per output, else a clear error
+    1.     maps.npy.journal.json   committed 0: a file without journal is never ours
+    2.     maps.npy                header, then the whole size reserved (posix_fallocate):
+                                   a full disk is an error before any work, never SIGBUS
+    3.     rows (pwrite), fdatasync, journal "committed": k     every ~0.5 s
+    4.     (unknown length) header rewritten with the final row count, file cut to it
+    5.     journal "complete": true; lock file removed
+
+Rows are written with ``pwrite`` rather than through a writable memmap: the
+page cache then holds them (host RSS stays flat in N) and a failed write is
+an ``OSError``, not a ``SIGBUS`` that kills the process without a message.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import mmap
 import os
+import shutil
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from numpy.lib import format as npy_format
 
-__all__ = ["ArraySink", "NpyFileSink", "journal_path", "release_rows"]
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one writer per output is then the caller's duty
+    fcntl = None
+
+__all__ = ["Sink", "ArraySink", "GrowingArraySink", "NpyFileSink", "journal_path", "release_rows"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where the streaming engine puts each batch's maps.
+
+    Attributes:
+        committed: Rows already done before this run (a resume skips them).
+        input_crc: Checksum of those rows' inputs (``None``: nothing to check).
+        complete: Whether a previous run already finished everything.
+    """
+
+    committed: int
+    input_crc: int | None
+    complete: bool
+
+    def write(self, start: int, maps, targets) -> None:
+        """Rows ``[start, start + len(maps))``; ``maps``/``targets`` are device tensors."""
+
+    def commit(self, rows: int, input_crc: int) -> None:
+        """Rows ``[0, rows)`` are written: make them durable."""
+
+    def finish(self, rows: int, input_crc: int) -> None:
+        """All ``rows`` rows are written."""
+
+    def close(self, failed: bool) -> None:
+        """Always called last; ``failed`` when the run raised."""
+
+    @property
+    def result(self):
+        """What ``saliency`` returns."""
 
 
 def release_rows(array: np.ndarray, stop_row: int) -> None:
@@ -52,18 +108,26 @@ def journal_path(path: Path) -> Path:
     return path.with_name(path.name + ".journal.json")
 
 
-class ArraySink:
-    """Writes rows into an in-memory array or a caller's buffer/memmap."""
+def _host(maps) -> np.ndarray:
+    return maps.numpy() if hasattr(maps, "numpy") else np.asarray(maps)  # device -> host
 
-    # Checksum of the input rows a resumed run must see again (file sinks).
-    input_crc: int | None = None
+
+class ArraySink:
+    """Writes rows into an array of known length: a new one, or the caller's buffer/memmap."""
+
+    input_crc = None
+    complete = False
 
     def __init__(self, array: np.ndarray):
         self.array = array
         self.committed = 0
 
     def write(self, start: int, maps, targets=None) -> None:
-        rows = maps.numpy() if hasattr(maps, "numpy") else np.asarray(maps)  # device -> host
+        rows = _host(maps)
+        if start + len(rows) > len(self.array):
+            raise ValueError(
+                f"The inputs hold more than the {len(self.array)} rows of the output buffer; allocate one row per example."
+            )
         self.array[start : start + len(rows)] = rows
 
     def commit(self, rows: int, input_crc: int = 0) -> None:
@@ -73,74 +137,206 @@ class ArraySink:
         self.committed = rows
 
     def finish(self, rows: int, input_crc: int = 0) -> None:
+        if rows != len(self.array):
+            raise ValueError(f"The inputs held {rows} examples but the output buffer has {len(self.array)} rows.")
         self.commit(rows, input_crc)
 
-    def discard_if_empty(self) -> None:
-        """Called when a run fails: a caller's buffer is theirs, nothing to undo."""
+    def close(self, failed: bool) -> None:
+        """A caller's buffer is theirs: nothing to undo."""
+
+    @property
+    def result(self) -> np.ndarray:
+        return self.array
 
 
-class NpyFileSink(ArraySink):
-    """A standard ``.npy`` file (``np.load`` reads it) plus a resume journal."""
+class GrowingArraySink(ArraySink):
+    """A new in-memory array whose length only the end of the inputs tells."""
 
-    def __init__(self, path: Path, array: np.memmap, config: dict, committed: int, input_crc=None):
-        super().__init__(array)
-        self.path, self.config, self.committed, self.input_crc = path, config, committed, input_crc
+    def __init__(self, map_shape: tuple, dtype):
+        super().__init__(np.empty((0, *map_shape), dtype))
+        self.chunks: list[np.ndarray] = []
+
+    def write(self, start: int, maps, targets=None) -> None:
+        self.chunks.append(_host(maps))
+
+    def finish(self, rows: int, input_crc: int = 0) -> None:
+        if self.chunks:
+            self.array = np.concatenate(self.chunks)
+        self.chunks = []
+        self.committed = rows
+
+
+class NpyFileSink:
+    """A standard ``.npy`` file (``np.load`` reads it) plus a resume journal.
+
+    Open it with :meth:`open`; ``num_examples=None`` writes a file of unknown
+    length whose header names 0 rows until :meth:`finish` writes the count.
+    """
+
+    def __init__(self, path: Path, lock: _OutputLock, config: dict, map_shape: tuple, dtype, num_examples):
+        self.path, self.lock, self.config = path, lock, config
+        self.map_shape, self.dtype, self.num_examples = tuple(map_shape), np.dtype(dtype), num_examples
+        self.row_bytes = int(np.prod(map_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.committed, self.input_crc, self.complete = 0, None, False
         self.created = False
+        self.fd: int | None = None
+        self.offset = len(self._header(0))
 
+    # ------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path, shape: tuple, dtype, config: dict, resume: bool) -> NpyFileSink:
-        """Creates the file, or reopens it to resume. Raises before touching anything."""
+    def open(cls, path, map_shape: tuple, num_examples: int | None, dtype, config: dict, resume: bool) -> NpyFileSink:
+        """Creates the file, or reopens it to resume. Raises before changing anything."""
         path = Path(path)
-        journal = journal_path(path)
-        if path.exists() or journal.exists():
-            if not resume:
-                raise FileExistsError(
-                    f"{path} already exists; effgrad never overwrites it. Pass resume=True to continue an "
-                    "interrupted run into it, or remove it (and its .journal.json) to start over."
-                )
-            if not journal.exists():
-                raise ValueError(
-                    f"Cannot resume into {path}: it has no effgrad journal ({journal.name}), so it was not "
-                    "written by an interrupted effgrad run. Remove it or choose another path."
-                )
-            state = json.loads(journal.read_text())
-            if state["config"] != config:
-                changed = sorted(
-                    k for k in set(config) | set(state["config"]) if config.get(k) != state["config"].get(k)
-                )
-                raise ValueError(
-                    f"Cannot resume into {path}: it was started with a different configuration "
-                    f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}: 'model' is a checksum of "
-                    "the weights, 'target' of the target). Use the original model and settings, or remove "
-                    "the file to start over."
-                )
-            committed = int(state["committed"])
-            array = _reopen(path, shape, dtype) if path.exists() else None
-            if array is not None:
-                return cls(path, array, config, committed, state.get("input_crc"))
-            if committed:
-                raise ValueError(
-                    f"Cannot resume into {path}: its journal names {committed} finished rows but the file is "
-                    "missing or damaged (wrong size or header). Remove it and its .journal.json to start over."
-                )
-            # Killed before the first row was committed: nothing to keep, start again.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sink = cls(path, None, config, 0)
-        sink._write_journal(0)  # first: a file without journal is never ours
-        sink.array = npy_format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=tuple(shape))
-        sink.created = True
-        return sink
+        lock = _OutputLock(path)
+        sink = cls(path, lock, config, map_shape, dtype, num_examples)
+        try:
+            if sink._resume_point(resume):
+                return sink
+            sink._create()
+            return sink
+        except BaseException:
+            sink.close(failed=True)
+            raise
 
-    def discard_if_empty(self) -> None:
-        """Removes the file and journal this run created if no row was committed."""
-        if self.created and self.committed == 0:
-            self.array = None
+    def _resume_point(self, resume: bool) -> bool:
+        """True when an interrupted run was reopened; False when a new file must be made."""
+        path, journal = self.path, journal_path(self.path)
+        if not (path.exists() or journal.exists()):
+            return False
+        if not resume:
+            raise FileExistsError(
+                f"{path} already exists; effgrad never overwrites it. Pass resume=True to continue an "
+                "interrupted run into it, or remove it (and its .journal.json) to start over."
+            )
+        if not journal.exists():
+            raise ValueError(
+                f"Cannot resume into {path}: it has no effgrad journal ({journal.name}), so it was not "
+                "written by an interrupted effgrad run. Remove it or choose another path."
+            )
+        try:
+            state = json.loads(journal.read_text())
+            committed, complete = int(state["committed"]), bool(state["complete"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"Cannot resume into {path}: its journal is damaged ({err}). Remove both to start over.")
+        if state["config"] != self.config:
+            changed = sorted(
+                k for k in set(self.config) | set(state["config"]) if self.config.get(k) != state["config"].get(k)
+            )
+            raise ValueError(
+                f"Cannot resume into {path}: it was started with a different configuration "
+                f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}: 'model' is a checksum of "
+                "the weights, 'target' of the target). Use the original model and settings, or remove "
+                "the file to start over."
+            )
+        if path.exists() and self._layout_is_whole(committed, complete):
+            self.fd = os.open(path, os.O_RDWR)
+            self.committed, self.complete, self.input_crc = committed, complete, state.get("input_crc")
+            return True
+        if committed:
+            raise ValueError(
+                f"Cannot resume into {path}: its journal names {committed} finished rows but the file is "
+                "missing or damaged (wrong size or header). Remove it and its .journal.json to start over."
+            )
+        return False  # killed before the first commit: nothing to keep, start again
+
+    def _layout_is_whole(self, committed: int, complete: bool) -> bool:
+        """Whether the file's header and size are what this run and its journal say."""
+        try:
+            with open(self.path, "rb") as f:
+                version = npy_format.read_magic(f)
+                read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+                shape, fortran, dtype = read(f)
+                offset = f.tell()
+        except (ValueError, EOFError, OSError):
+            return False  # killed between creating the file and writing its header, or not a .npy
+        size = os.path.getsize(self.path)
+        if fortran or dtype != self.dtype or tuple(shape[1:]) != self.map_shape or offset != self.offset:
+            return False
+        if self.num_examples is not None:
+            return shape[0] == self.num_examples and size == offset + self.num_examples * self.row_bytes
+        if complete:
+            return shape[0] == committed and size == offset + committed * self.row_bytes
+        return shape[0] == 0 and size >= offset + committed * self.row_bytes
+
+    def _create(self) -> None:
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.num_examples is not None:
+            needed = self.offset + self.num_examples * self.row_bytes
+            free = shutil.disk_usage(path.parent).free
+            if needed > free:
+                raise OSError(errno.ENOSPC, _no_space(path, needed, free))
+        self._write_journal(0)  # first: a file without journal is never ours
+        self.created = True
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        _pwrite_all(self.fd, self._header(self.num_examples or 0), 0)
+        if self.num_examples is not None and hasattr(os, "posix_fallocate"):
+            needed = self.offset + self.num_examples * self.row_bytes
+            try:  # blocks on disk now: later writes cannot fail for space
+                os.posix_fallocate(self.fd, 0, needed)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, _no_space(path, needed, shutil.disk_usage(path.parent).free)) from None
+            os.ftruncate(self.fd, needed)  # a no-op where fallocate sized it; sizes a sparse file elsewhere
+
+    def _header(self, rows: int) -> bytes:
+        # numpy pads the header so the first axis can grow to 21 digits in place.
+        header = io.BytesIO()
+        descr = {
+            "descr": npy_format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": (rows, *self.map_shape),
+        }
+        npy_format.write_array_header_1_0(header, descr)
+        return header.getvalue()
+
+    # ------------------------------------------------------------ writing
+    def write(self, start: int, maps, targets=None) -> None:
+        rows = np.ascontiguousarray(_host(maps), dtype=self.dtype)
+        if self.num_examples is not None and start + len(rows) > self.num_examples:
+            raise ValueError(f"The inputs hold more than num_examples={self.num_examples} examples.")
+        try:
+            _pwrite_all(self.fd, memoryview(rows).cast("B"), self.offset + start * self.row_bytes)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.path.parent).free
+                raise OSError(errno.ENOSPC, _no_space(self.path, len(rows) * self.row_bytes, free)) from None
+            raise
+
+    def commit(self, rows: int, input_crc: int = 0) -> None:
+        os.fdatasync(self.fd) if hasattr(os, "fdatasync") else os.fsync(self.fd)  # rows on disk, then the journal
+        self._write_journal(rows, input_crc=input_crc)
+        self.committed = rows
+
+    def finish(self, rows: int, input_crc: int = 0) -> None:
+        if self.num_examples is None:
+            header = self._header(rows)
+            assert len(header) == self.offset, "the .npy header must keep its length"
+            _pwrite_all(self.fd, header, 0)
+            os.ftruncate(self.fd, self.offset + rows * self.row_bytes)
+        elif rows != self.num_examples:
+            raise ValueError(f"The inputs held {rows} examples but num_examples={self.num_examples}.")
+        os.fsync(self.fd)
+        self._write_journal(rows, complete=True, input_crc=input_crc)
+        self.committed, self.complete = rows, True
+
+    def close(self, failed: bool) -> None:
+        """Closes the file and the lock; a run that committed nothing leaves no file behind."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if failed and self.created and self.committed == 0:
             for leftover in (self.path, journal_path(self.path)):
                 leftover.unlink(missing_ok=True)
+        self.lock.release()
+
+    @property
+    def result(self) -> np.memmap:
+        return np.load(self.path, mmap_mode="r+")
 
     def _write_journal(self, rows: int, complete: bool = False, input_crc: int = 0) -> None:
         journal = journal_path(self.path)
-        # Unique per process: two runs on one output never share a temporary file.
         tmp = journal.with_name(f"{journal.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             state = {"config": self.config, "committed": rows, "complete": complete, "input_crc": input_crc}
@@ -149,28 +345,55 @@ class NpyFileSink(ArraySink):
             os.fsync(f.fileno())
         os.replace(tmp, journal)  # atomic: the journal is always whole
 
-    def commit(self, rows: int, input_crc: int = 0) -> None:
-        self.array.flush()  # rows reach the file before the journal names them
-        self._write_journal(rows, input_crc=input_crc)
-        release_rows(self.array, rows)
-        self.committed = rows
 
-    def finish(self, rows: int, input_crc: int = 0) -> None:
-        self.array.flush()
-        self._write_journal(rows, complete=True, input_crc=input_crc)
-        self.committed = rows
+class _OutputLock:
+    """An exclusive ``flock`` on ``PATH.lock``: one writer per output file.
+
+    The lock file is removed on release; a second process that opened it just
+    before then would lock a deleted file, so each acquisition checks that the
+    locked file is still the one at the path (the classic unlink race).
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path.with_name(path.name + ".lock"), None
+        if fcntl is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise BlockingIOError(
+                    errno.EWOULDBLOCK,
+                    f"{path} is being written by another process (it holds {self.path.name}); wait for it to "
+                    "finish, or write to another path.",
+                ) from None
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    self.fd = fd
+                    return
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # we locked a file its owner had just removed: try again
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
 
 
-def _reopen(path: Path, shape: tuple, dtype) -> np.memmap | None:
-    """The ``.npy`` at ``path`` as a writable memmap, or None if its header or size is not this run's."""
-    try:
-        # Read-only first: numpy silently zero-extends a short file opened "r+".
-        array = np.load(path, mmap_mode="r")
-    except (ValueError, EOFError, OSError):
-        return None  # killed between creating the file and writing its header, truncated, not a .npy
-    if not isinstance(array, np.memmap) or array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
-        return None
-    if os.path.getsize(path) != array.offset + array.nbytes:
-        return None  # a damaged file: committed rows would read back as zeros
-    del array
-    return np.load(path, mmap_mode="r+")
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _no_space(path: Path, needed: int, free: int) -> str:
+    return (
+        f"Not enough disk space for {path}: it needs {needed / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free. "
+        "Free some space, write to another disk, or store smaller maps (reduce='abs_sum', dtype='float16')."
+    )

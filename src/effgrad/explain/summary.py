@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from effgrad.explain import engine
+from effgrad.explain.engine import stream
+from effgrad.explain.plan import prepare
 
 __all__ = ["SaliencySummary", "saliency_summary"]
 
@@ -36,7 +37,9 @@ class SaliencySummary:
 
 
 class _StatisticsSink:
-    """A sink that updates running statistics instead of storing rows."""
+    """A :class:`~effgrad.explain.sinks.Sink` that updates running statistics instead of storing rows."""
+
+    complete = False
 
     def __init__(self, map_shape, by_class: bool):
         import tensorflow_probability as tfp  # lazy: a slow import effgrad itself does not need
@@ -65,6 +68,18 @@ class _StatisticsSink:
 
     finish = commit
 
+    def close(self, failed: bool) -> None:
+        """Nothing to release."""
+
+    @property
+    def result(self) -> SaliencySummary:
+        keys = sorted(self.states, key=str)
+        return SaliencySummary(
+            mean={k: np.asarray(self.states[k].mean) for k in keys},
+            variance={k: np.asarray(self.states[k].variance()) for k in keys},
+            count={k: int(np.asarray(self.states[k].num_samples)) for k in keys},
+        )
+
 
 def saliency_summary(model, inputs, *, by_class: bool = True, **saliency_options) -> SaliencySummary:
     """Streams saliency maps into per-class running mean and variance.
@@ -88,12 +103,7 @@ def saliency_summary(model, inputs, *, by_class: bool = True, **saliency_options
         if name in saliency_options:
             raise TypeError(f"saliency_summary keeps no per-example maps; it takes no {name!r} option.")
     progress = saliency_options.pop("progress", True)
-    job, source, indices, shape, _ = engine._plan(model, inputs, **saliency_options)
-    sink = _StatisticsSink(shape[1:], by_class)
-    engine._run(job, source, sink, indices, progress)
-    keys = sorted(sink.states, key=str)
-    return SaliencySummary(
-        mean={k: np.asarray(sink.states[k].mean) for k in keys},
-        variance={k: np.asarray(sink.states[k].variance()) for k in keys},
-        count={k: int(np.asarray(sink.states[k].num_samples)) for k in keys},
-    )
+    plan = prepare(model, inputs, **saliency_options)
+    sink = _StatisticsSink(plan.map_shape, by_class)
+    stream(plan, sink, progress)
+    return sink.result

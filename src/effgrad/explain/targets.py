@@ -1,0 +1,138 @@
+"""What a saliency map explains: the target output of each example.
+
+A target is resolved once, before any work, into a :class:`Target`: its
+:class:`TargetMode`, the checked value, and a JSON-able identity the resume
+journal stores (so a resume with another target is refused).
+
+=================  ==========================================================
+``None``           each example's arg-max output (the output itself for a
+                   model with one output unit)
+``int``            that output unit for every example
+``int array [N]``  one output unit per example
+``callable``       ``callable(outputs) -> [B]`` scores, any differentiable
+                   function of the model's outputs (several outputs too)
+=================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["TargetMode", "Target", "resolve", "output_units", "score_function"]
+
+
+class TargetMode(enum.Enum):
+    ARGMAX = "argmax"
+    FIXED = "fixed"
+    PER_EXAMPLE = "per_example"
+    CALLABLE = "callable"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked target.
+
+    Attributes:
+        mode: How the score of each example is chosen.
+        value: The int (``FIXED``), the callable (``CALLABLE``), else ``None``.
+        indices: ``int32 [N]`` per-example units (``PER_EXAMPLE``), else ``None``.
+    """
+
+    mode: TargetMode
+    value: Any = None
+    indices: np.ndarray | None = None
+
+    def identity(self):
+        """JSON-able identity: what a resumed run must match."""
+        if self.mode is TargetMode.FIXED:
+            return int(self.value)
+        if self.mode is TargetMode.PER_EXAMPLE:
+            return {"per_example": hashlib.sha1(self.indices).hexdigest()}
+        if self.mode is TargetMode.CALLABLE:
+            return {"callable": _callable_checksum(self.value)}
+        return self.mode.value
+
+    def job_key(self):
+        """What distinguishes compiled jobs: per-example indices are an input of the job,
+        a callable is part of it (by identity: a new lambda is a new function)."""
+        if self.mode is TargetMode.CALLABLE:
+            return ("callable", id(self.value))
+        return (self.mode.value, int(self.value) if self.mode is TargetMode.FIXED else None)
+
+
+def output_units(model, sample) -> int:
+    """Number of output units of a single-output model (probed on one example)."""
+    outputs = model(tf.convert_to_tensor(sample), training=False)
+    if not tf.is_tensor(outputs):
+        raise ValueError(
+            "The model has several outputs; pass target=callable(outputs) -> [batch] scores to say "
+            "which one to explain."
+        )
+    return int(np.prod(outputs.shape[1:])) if outputs.shape.rank > 1 else 1
+
+
+def resolve(target, model, sample, num_examples: int | None) -> Target:
+    """Checks ``target`` against the model's outputs; raises before any work."""
+    if callable(target):
+        return Target(TargetMode.CALLABLE, target)
+    units = output_units(model, sample)
+    if target is None:
+        return Target(TargetMode.ARGMAX)
+    if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+        if not 0 <= target < units:
+            raise ValueError(f"target={target} is out of range: the model has {units} output unit(s) (0..{units - 1}).")
+        return Target(TargetMode.FIXED, int(target))
+    indices = np.asarray(target)
+    if indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer):
+        raise TypeError("target must be None, an int, an int array [N] or a callable(outputs) -> [batch] scores.")
+    if num_examples is not None and len(indices) != num_examples:
+        raise ValueError(f"target has {len(indices)} entries but there are {num_examples} examples.")
+    bad = (indices < 0) | (indices >= units)
+    if bad.any():
+        raise ValueError(
+            f"target[{int(np.argmax(bad))}] = {indices[bad][0]} is out of range: the model has {units} output unit(s)."
+        )
+    return Target(TargetMode.PER_EXAMPLE, indices=np.ascontiguousarray(indices, dtype="int32"))
+
+
+def score_function(model, target: Target, indices, chosen: list | None = None):
+    """``score_fn(x) -> [rows]``: each row's target output.
+
+    ``indices`` are the batch's target units (``[B]``); ``x`` may hold several
+    copies of the batch stacked along rows (noise samples, path points), and
+    the indices repeat with them. With ``indices=None`` the target is the
+    arg-max of this same (differentiated) forward pass, appended to ``chosen``.
+    """
+
+    def score_fn(x):
+        outputs = model(x, training=False)
+        if target.mode is TargetMode.CALLABLE:
+            return target.value(outputs)
+        rows = tf.shape(x)[0]
+        flat = tf.reshape(tf.cast(outputs, tf.float32), [rows, -1])
+        if indices is None:
+            units = tf.stop_gradient(tf.cast(tf.argmax(flat, axis=-1), tf.int32))  # 0 for one output unit
+            chosen.append(units)
+        else:
+            units = tf.tile(indices, [rows // tf.shape(indices)[0]])
+        return tf.gather(flat, units, batch_dims=1)
+
+    return score_fn
+
+
+def _callable_checksum(fn) -> str:
+    """Name, bytecode and simple captured values of a callable target."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    captured = [c.cell_contents for c in fn.__closure__ or ()] + list(fn.__defaults__ or ())
+    simple = [v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__ for v in captured]
+    data = code.co_code + repr((code.co_consts, code.co_names, simple)).encode()
+    return f"{fn.__qualname__}:{zlib.crc32(data):08x}"
