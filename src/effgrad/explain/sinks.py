@@ -126,7 +126,8 @@ class ArraySink:
         rows = _host(maps)
         if start + len(rows) > len(self.array):
             raise ValueError(
-                f"The inputs hold more than the {len(self.array)} rows of the output buffer; allocate one row per example."
+                f"The inputs hold more than the {len(self.array)} rows of the output buffer; "
+                "allocate one row per example."
             )
         self.array[start : start + len(rows)] = rows
 
@@ -217,7 +218,9 @@ class NpyFileSink:
             state = json.loads(journal.read_text())
             committed, complete = int(state["committed"]), bool(state["complete"])
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"Cannot resume into {path}: its journal is damaged ({err}). Remove both to start over.")
+            raise ValueError(
+                f"Cannot resume into {path}: its journal is damaged ({err}). Remove both to start over."
+            ) from None
         if state["config"] != self.config:
             changed = sorted(
                 k for k in set(self.config) | set(state["config"]) if self.config.get(k) != state["config"].get(k)
