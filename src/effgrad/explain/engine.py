@@ -3,8 +3,8 @@
 Algorithm::
 
     stager thread:  read the next rows (a memmap reads them from disk), checksum them,
-                    make the input tensor                       -> staged (at most 2 ahead)
-    main thread:    maps = job.maps(x, targets, row)           -> pending (at most 2 behind)
+                    make the input tensor                  -> at most 2 batches ahead
+    main thread:    maps = job.maps(x, targets, row)      -> at most 2 batches behind
     writer thread:  maps.numpy() -> sink rows [row, row + B); commit every ~0.5 s
 
 So reading and checksumming the next batch and copying the last one to the
@@ -41,6 +41,34 @@ class _End:
         self.rows, self.crc = rows, crc
 
 
+def _staged(source, start_row: int, expected_crc: int | None, total: int | None):
+    """Yields ``(row, x, n, crc)`` for the rows not yet committed, then an ``_End``.
+
+    The committed rows are read and checksummed, not yielded: a resume sees
+    the same rows again before anything new is computed.
+    """
+    row, crc = 0, 0
+    for batch in source.batches():
+        values = batch.numpy() if tf.is_tensor(batch) else np.asarray(batch)
+        n = len(values)
+        if row < start_row:  # already committed: only checked, not computed
+            seen = min(n, start_row - row)
+            crc, row = _checksum(values[:seen], crc), row + seen
+            if row == start_row:
+                _check_same_rows(crc, expected_crc, start_row)
+            if seen == n:
+                continue
+            batch, values, n = batch[seen:], values[seen:], n - seen
+        if total is not None and row + n > total:
+            raise ValueError(f"The inputs hold more than num_examples={total} examples.")
+        crc = _checksum(values, crc)
+        yield row, (batch if tf.is_tensor(batch) else tf.convert_to_tensor(values)), n, crc
+        row += n
+    if row < start_row:
+        raise ValueError(f"Cannot resume: the inputs end after {row} rows, before the {start_row} committed ones.")
+    yield _End(row, crc)
+
+
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
     """``q.put(item)`` unless ``stop`` is set first (a consumer that gave up)."""
     while not stop.is_set():
@@ -52,103 +80,117 @@ def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True) -> None:
+def _ahead(items, stop: threading.Event):
+    """``items``, produced by a background thread up to ``_AHEAD`` items ahead."""
+    q: queue.Queue = queue.Queue(maxsize=_AHEAD)
+
+    def produce():
+        try:
+            for item in items:
+                if not _put(q, item, stop):
+                    return
+        except BaseException as err:  # surfaced in the consumer
+            _put(q, err, stop)
+
+    threading.Thread(target=produce, name="effgrad-saliency-stager", daemon=True).start()
+    while True:
+        item = q.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if isinstance(item, _End):
+            return
+
+
+class _Writer:
+    """Copies maps to the host and into the sink, committing every ~0.5 s.
+
+    With ``background=True`` it works on its own thread behind a queue of at
+    most ``_AHEAD`` batches; its first error is raised by :meth:`close`.
+    """
+
+    def __init__(self, sink: Sink, bar, background: bool):
+        self.sink, self.bar = sink, bar
+        self.failure: BaseException | None = None
+        self.last_commit = time.perf_counter()
+        self.queue: queue.Queue | None = queue.Queue(maxsize=_AHEAD) if background else None
+        if background:
+            self.thread = threading.Thread(target=self._drain, name="effgrad-saliency-writer", daemon=True)
+            self.thread.start()
+
+    def submit(self, start: int, maps, targets, crc: int) -> None:
+        if self.queue is not None:
+            self.queue.put((start, maps, targets, crc))
+        else:
+            self._write(start, maps, targets, crc)
+
+    def _write(self, start, maps, targets, crc) -> None:
+        self.sink.write(start, maps, targets)
+        done = start + int(maps.shape[0])
+        self.bar.update(done)
+        if time.perf_counter() - self.last_commit > _COMMIT_EVERY_SECONDS:
+            self.sink.commit(done, crc)
+            self.last_commit = time.perf_counter()
+
+    def _drain(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.failure is None:  # after an error: drain, write nothing more
+                try:
+                    self._write(*item)
+                except BaseException as err:
+                    self.failure = err
+
+    def close(self) -> None:
+        """Waits for every submitted batch; raises the writer's error, if any."""
+        if self.queue is not None:
+            self.queue.put(None)
+            self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+
+
+def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool = True) -> None:
     """Streams every batch of ``plan`` through its job into ``sink``.
 
     Rows ``[0, sink.committed)`` are skipped (after checking they are the same
     input rows). ``sink.finish`` is called when the inputs are exhausted;
     after an error, what was written is committed and the error is raised.
+    ``overlap=False`` runs the three stages one after another (what the
+    benchmark compares with).
     """
     import keras  # Progbar: the progress bar Keras users know
 
-    source, job, total = plan.source, plan.job, plan.num_examples
+    job, total, indices = plan.job, plan.num_examples, plan.target.indices
     start_row = sink.committed
     bar = keras.utils.Progbar(total, unit_name="example", verbose=1 if progress else 0)
     if start_row:
         bar.update(start_row)
     stop = threading.Event()
-    staged: queue.Queue = queue.Queue(maxsize=_AHEAD)
-    pending: queue.Queue = queue.Queue(maxsize=_AHEAD)
-    failure: list[BaseException] = []
-
-    def stager():
-        row, crc = 0, 0
-        try:
-            for batch in source.batches():
-                values = batch.numpy() if tf.is_tensor(batch) else np.asarray(batch)
-                n = len(values)
-                if row < start_row:  # already committed: only checked, not computed
-                    seen = min(n, start_row - row)
-                    crc, row = _checksum(values[:seen], crc), row + seen
-                    if row == start_row:
-                        _check_same_rows(crc, sink.input_crc, start_row)
-                    if seen == n:
-                        continue
-                    batch, values, n = batch[seen:], values[seen:], n - seen
-                if total is not None and row + n > total:
-                    raise ValueError(f"The inputs hold more than num_examples={total} examples.")
-                crc = _checksum(values, crc)
-                x = batch if tf.is_tensor(batch) else tf.convert_to_tensor(values)
-                if not _put(staged, (row, x, n, crc), stop):
-                    return
-                row += n
-            if row < start_row:
-                raise ValueError(
-                    f"Cannot resume: the inputs end after {row} rows, before the {start_row} committed ones."
-                )
-            _put(staged, _End(row, crc), stop)
-        except BaseException as err:  # surfaced in the main thread
-            _put(staged, err, stop)
-
-    def writer():
-        last_commit = time.perf_counter()
-        while (item := pending.get()) is not None:
-            if failure:
-                continue  # drain after an error: nothing more is written
-            start, maps, targets, crc = item
-            try:
-                sink.write(start, maps, targets)
-                done = start + int(maps.shape[0])
-                bar.update(done)
-                if time.perf_counter() - last_commit > _COMMIT_EVERY_SECONDS:
-                    sink.commit(done, crc)
-                    last_commit = time.perf_counter()
-            except BaseException as err:  # surfaced in the main thread
-                failure.append(err)
-
-    threads = [threading.Thread(target=stager, daemon=True), threading.Thread(target=writer, daemon=True)]
-    for thread in threads:
-        thread.start()
-    indices = plan.target.indices
-    written = (start_row, sink.input_crc)
-    end = None
+    batches = _staged(plan.source, start_row, sink.input_crc, total)
+    writer = _Writer(sink, bar, background=overlap)
+    written, end = (start_row, sink.input_crc), None
     try:
-        while not failure:
-            item = staged.get()
-            if isinstance(item, BaseException):
-                raise item
+        for item in _ahead(batches, stop) if overlap else batches:
             if isinstance(item, _End):
                 end = item
+                break
+            if writer.failure is not None:
                 break
             row, x, n, crc = item
             rows = indices[row : row + n] if indices is not None else np.zeros(n, "int32")
             maps, targets = job.maps(x, tf.constant(rows, tf.int32), tf.constant(row, tf.int64))
-            pending.put((row, maps, targets, crc))
+            writer.submit(row, maps, targets, crc)
             written = (row + n, crc)
     finally:
         stop.set()
-        pending.put(None)
-        threads[1].join()
-        if not failure:
-            if end is not None:
-                if total is not None and end.rows != total:
-                    raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
-                sink.finish(end.rows, end.crc)
-                bar.update(end.rows, finalize=True)
-            elif written[0] > start_row:
-                sink.commit(*written)  # an exception above: keep what was written
-    if failure:
-        raise failure[0]
+        writer.close()  # raises the writer's error first: nothing below then runs
+        if end is None and written[0] > start_row:
+            sink.commit(*written)  # an exception above: keep what was written
+    if end is not None:
+        if total is not None and end.rows != total:
+            raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
+        sink.finish(end.rows, end.crc)
+        bar.update(end.rows, finalize=True)
 
 
 def _checksum(values: np.ndarray, crc: int) -> int:
