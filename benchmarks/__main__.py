@@ -19,6 +19,7 @@ SUITES = [
     "segments",
     "distributed",
     "saliency",
+    "saliency_methods",
 ]
 
 
