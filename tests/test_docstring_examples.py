@@ -13,6 +13,7 @@ EXAMPLES = [
     effgrad.build_train_step,
     effgrad.attach,
     effgrad.checkpoint_model,
+    effgrad.plan,
     effgrad.MemoryMonitor,
     effgrad.StaticLossScale,
     effgrad.DynamicLossScale,

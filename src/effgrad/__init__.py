@@ -16,15 +16,18 @@ if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 # Importing everything here registers effgrad's Keras layers, so a .keras file
-# that contains them loads after a plain `import effgrad`.
-with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
-    from effgrad import diagnostics, memory
-    from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_model, checkpoint_sequential
-    from effgrad.diagnostics import MemoryMonitor
-    from effgrad.explain import saliency, saliency_summary
-    from effgrad.fit import attach
-    from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
-    from effgrad.step import StepOptions, TrainStep, build_train_step
+# that contains them loads after a plain `import effgrad`. `effgrad --help`
+# needs none of it: it answers at once instead of loading TensorFlow (7-9 s).
+if not _quiet.answering_help():
+    with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
+        from effgrad import diagnostics, memory
+        from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_model, checkpoint_sequential
+        from effgrad.diagnostics import MemoryMonitor
+        from effgrad.explain import saliency, saliency_summary
+        from effgrad.fit import attach
+        from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+        from effgrad.planner import MemoryPlan, plan
+        from effgrad.step import StepOptions, TrainStep, build_train_step
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,7 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "MemoryMonitor",
+    "MemoryPlan",
     "NoLossScale",
     "StaticLossScale",
     "StepOptions",
@@ -44,6 +48,7 @@ __all__ = [
     "checkpoint_sequential",
     "diagnostics",
     "memory",
+    "plan",
     "saliency",
     "saliency_summary",
 ]

@@ -15,6 +15,12 @@ def running_as_command() -> bool:
     return os.path.basename(sys.argv[0] if sys.argv else "") == "effgrad"
 
 
+def answering_help() -> bool:
+    """``effgrad`` with no arguments or ``-h``/``--help``: argparse answers, nothing else runs."""
+    args = sys.argv[1:]
+    return running_as_command() and (not args or "-h" in args or "--help" in args)
+
+
 @contextlib.contextmanager
 def stderr_silenced():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

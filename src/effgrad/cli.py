@@ -1,4 +1,4 @@
-"""The ``effgrad`` command: ``effgrad demo`` and ``effgrad saliency``."""
+"""The ``effgrad`` command: ``effgrad demo``, ``effgrad saliency`` and ``effgrad plan``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     sal.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     sal.add_argument("--resume", action="store_true", help="continue an interrupted run into --out")
     sal.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    pln = sub.add_parser(
+        "plan",
+        help="find the micro-batches / checkpoint segments that fit a train step of a saved model in a memory budget",
+        description="Measures a few train-step configurations of MODEL.keras on a random batch of --batch-shape "
+        "and prints the table of predicted and measured peaks (effgrad.plan).",
+    )
+    pln.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('m.keras')")
+    pln.add_argument("--batch-shape", required=True, help="the input batch shape, e.g. 256,32,32,3")
+    pln.add_argument("--budget", required=True, help="bytes, a size such as 300MiB or 6GiB, or a fraction like 0.8")
+    pln.add_argument("--loss", help="a Keras loss name (default: the model's compiled loss)")
+    pln.add_argument("--optimizer", help="a Keras optimizer name (default: the model's compiled optimizer, else adam)")
     return parser
 
 
@@ -70,6 +82,48 @@ def _saliency(args) -> int:
     return 0
 
 
+def _budget(text: str):
+    """'300MiB' stays a string; '0.8' is a fraction; '1000000' bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if value <= 1 and "." in text else int(value)
+
+
+def _plan(args) -> int:
+    import keras
+    import numpy as np
+
+    import effgrad
+
+    model = keras.models.load_model(args.model)
+    compiled = getattr(model, "compiled", False)
+    loss = args.loss or (model.loss if compiled else None)
+    if loss is None:
+        raise ValueError(f"{args.model} was saved without a compiled loss; pass --loss (e.g. --loss mse).")
+    optimizer = keras.optimizers.get(args.optimizer or (model.optimizer if compiled and model.optimizer else "adam"))
+    try:
+        shape = tuple(int(s) for s in args.batch_shape.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--batch-shape takes integers separated by commas, e.g. 256,32,32,3; got {args.batch_shape!r}."
+        ) from None
+    if len(model.inputs) != 1:
+        raise ValueError(
+            "effgrad plan on the command line handles single-input models; call effgrad.plan() for others."
+        )
+    rng = np.random.default_rng(0)
+    dtype = np.dtype(model.inputs[0].dtype)
+    x = rng.normal(size=shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+    outputs = np.asarray(model(x[:1], training=False))
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    # Sparse losses take class ids; every other loss a target shaped like the output.
+    y = np.zeros(shape[0], "int32") if "sparse" in name.lower() else np.zeros((shape[0], *outputs.shape[1:]), "float32")
+    print(effgrad.plan(model, loss, optimizer, x, y, budget=_budget(args.budget)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_tensorflow()
@@ -79,10 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         demo.run(args.out)
         return 0
     try:
-        return _saliency(args)
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as err:
-        print(f"effgrad saliency: error: {err}", file=sys.stderr)
+        return _saliency(args) if args.command == "saliency" else _plan(args)
+    except (ValueError, TypeError, OSError) as err:  # FileExistsError, FileNotFoundError, no space, locked
+        print(f"effgrad {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.command == "saliency":
+            print(
+                f"\ninterrupted: the finished rows of {args.out} are kept; add --resume to continue.", file=sys.stderr
+            )
+        return 130
 
 
 if __name__ == "__main__":

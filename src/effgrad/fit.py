@@ -60,6 +60,10 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         **step_options: Keyword options of :func:`effgrad.build_train_step`;
             ``reduction`` defaults to the compiled loss's, ``strategy`` to
             the model's, ``jit_compile`` to ``compile``'s.
+            ``micro_batches="auto", memory_budget=...``: the next ``fit``
+            plans from its first batch (:func:`effgrad.plan`), then trains
+            with the chosen micro-batches (and ``checkpoint_model`` segments);
+            the plan is ``model.effgrad_plan``.
 
     Returns:
         ``model`` itself.
@@ -76,7 +80,14 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
             "attach() supports one compiled loss; for several outputs pass one callable that "
             "combines them, or call effgrad.build_train_step directly."
         )
-    given = dict(step_options)
+    if step_options.get("micro_batches") == "auto" or "memory_budget" in step_options:
+        return _attach_planned(model, step_options)
+    return _attach(model, dict(step_options), forward=model)
+
+
+def _attach(model, given: dict, forward) -> keras.Model:
+    """``attach`` with checked options; ``forward`` computes the predictions (``model``, or a
+    ``checkpoint_model`` of it sharing its variables)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
     options = {
         "strategy": model.distribute_strategy,
@@ -92,7 +103,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     def update_metrics(x, y, y_pred, sample_weight):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    step = TrainStep(model, model.loss, model.optimizer, on_micro_batch=update_metrics, **options)
+    step = TrainStep(forward, model.loss, model.optimizer, on_micro_batch=update_metrics, **options)
     compiled_with = _compat.compile_state(model)
 
     def train_step(data):
@@ -114,7 +125,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     def make_train_function(force=False):
         if _compat.compile_state(model) is not compiled_with:
             # compile() was called again: train the new configuration, never the old one.
-            attach(model, **given)
+            _attach(model, given, forward)
             return model.make_train_function(force=True)
         if model.train_function is not None and not force:
             return model.train_function
@@ -133,4 +144,54 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     model.make_train_function = make_train_function
     model.effgrad_step = step
     model.train_function = None  # rebuilt by the next fit()
+    return model
+
+
+def _first_batch(x, y, sample_weight, batch_size):
+    """The first batch ``fit`` will train on, from its arguments (arrays or a ``tf.data.Dataset``)."""
+    if isinstance(x, tf.data.Dataset):
+        return keras.utils.unpack_x_y_sample_weight(next(iter(x.take(1))))
+    leaves = tf.nest.flatten(x)
+    if not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
+        raise TypeError(
+            "attach(micro_batches='auto') plans from the first batch of fit's x: pass arrays/tensors or a "
+            "tf.data.Dataset, or call effgrad.plan(...) yourself and attach(micro_batches=plan.micro_batches)."
+        )
+    rows = batch_size or 32
+    first = lambda nest: None if nest is None else tf.nest.map_structure(lambda a: a[:rows], nest)  # noqa: E731
+    return first(x), first(y), first(sample_weight)
+
+
+def _attach_planned(model, step_options: dict) -> keras.Model:
+    """``attach(micro_batches="auto", memory_budget=...)``: plan at the next ``fit`` from its first batch."""
+    from effgrad import planner
+    from effgrad.checkpointing import checkpoint_model
+
+    options = {k: v for k, v in step_options.items() if k not in ("micro_batches", "memory_budget", "margin")}
+    planner.PlannedTrainStep(model, model.loss, model.optimizer, **step_options)  # validates the options now
+    original_fit = type(model).fit
+
+    def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
+        bx, by, bw = _first_batch(x, y, sample_weight, batch_size)
+        plan = planner.plan(
+            model,
+            model.loss,
+            model.optimizer,
+            bx,
+            by,
+            sample_weight=bw,
+            budget=step_options["memory_budget"],
+            margin=step_options.get("margin", 0.1),
+            strategy=model.distribute_strategy,
+            reduction=options.get("reduction", losses.reduction_of(model.loss)),
+            **{k: v for k, v in options.items() if k not in ("reduction", "strategy", "on_micro_batch")},
+        )
+        forward = model if plan.segments is None else checkpoint_model(model, plan.segments)
+        _attach(model, {**options, "micro_batches": plan.micro_batches}, forward)
+        model.effgrad_plan = plan
+        del model.fit  # planned once: later fits train with this configuration
+        return original_fit(model, x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
+
+    model.fit = fit
+    model.effgrad_plan = None
     return model

@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["MemoryReport", "measure", "default_device"]
+__all__ = ["MemoryReport", "measure", "default_device", "current_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,11 @@ def _memory_info(device: str) -> dict:
             "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is imported "
             "(import effgrad before tensorflow, or export the variable)."
         ) from err
+
+
+def current_bytes(device: str | None = None) -> int:
+    """Bytes the device allocator holds now (raises if it keeps no statistics)."""
+    return int(_memory_info(device or default_device())["current"])
 
 
 def _block_until_ready(result) -> None:

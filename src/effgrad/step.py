@@ -511,7 +511,11 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
             it and keeps its state in the wrapper's variables.
         **options: Keyword options (:class:`StepOptions`):
 
-            * ``micro_batches``: split every batch into this many micro-batches.
+            * ``micro_batches``: split every batch into this many micro-batches;
+              ``"auto"`` with ``memory_budget=`` (bytes, ``"6GiB"`` or a
+              fraction of the device): plan at the first call
+              (:func:`effgrad.plan`) and train with the fastest configuration
+              whose measured peak fits (a :class:`effgrad.planner.PlannedTrainStep`).
             * ``loss_scale``: ``"auto"`` (dynamic iff the model computes in
               float16), ``None``, ``"dynamic"``, a number (static) or a ``LossScale``.
             * ``clip_norm``: clip the global norm of the final (unscaled,
@@ -539,4 +543,8 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
         must not reduce over the batch either. ``effgrad.attach`` takes the
         compiled loss's reduction, so ``fit`` trains what stock Keras trains.
     """
+    if options.get("micro_batches") == "auto" or "memory_budget" in options:
+        from effgrad.planner import PlannedTrainStep
+
+        return PlannedTrainStep(model, loss, optimizer, **options)
     return TrainStep(model, loss, optimizer, **options)

@@ -81,7 +81,10 @@ def as_source(inputs, batch_size: int, num_examples: int | None = None) -> Sourc
     if isinstance(inputs, tf.data.Dataset):
         spec = _first_tensor(inputs.element_spec)
         _check_rank(spec.shape, "The dataset's elements (batches)")
-        sample = _first_tensor(next(iter(inputs.take(1))))[:1]
+        first = next(iter(inputs.take(1)), None)
+        if first is None:
+            raise ValueError("inputs is an empty tf.data.Dataset: there is nothing to explain.")
+        sample = _first_tensor(first)[:1]
         shape = tuple(spec.shape[1:].as_list())
         if None in shape:  # e.g. a ragged last axis: the first batch tells
             shape = tuple(sample.shape[1:])

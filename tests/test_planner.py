@@ -1,0 +1,145 @@
+"""effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
+
+import keras
+import numpy as np
+import pytest
+
+import effgrad
+from effgrad import planner
+
+
+def _wide_mlp(seed=0):
+    """Activations dominate (batch 2048 x 8 layers x 256 units vs 0.4M weights): the planning regime."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((32,))] + [keras.layers.Dense(256, activation="relu") for _ in range(8)] + [keras.layers.Dense(4)]
+    )
+
+
+def _conv(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+    for _ in range(3):
+        r = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+        r = keras.layers.BatchNormalization()(r)
+        h = keras.layers.Add()([h, r])
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Dropout(0.2)(h)))
+
+
+_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _data(rng, shape, n):
+    return rng.normal(size=(n, *shape)).astype("float32"), rng.integers(0, 4, n)
+
+
+def _measured_peak(model, x, y, micro_batches, segments):
+    """The planned configuration measured again, from scratch, the way plan() defines a peak."""
+    trained = model if segments is None else effgrad.checkpoint_model(model, segments)
+    optimizer = keras.optimizers.Adam(1e-3)
+    step = effgrad.build_train_step(trained, _LOSS, optimizer, micro_batches=micro_batches)
+    step(x, y)
+    report = effgrad.memory.measure(lambda: step(x, y)["loss"])
+    state = {id(v): v for v in [*trained.variables, *optimizer.variables, *(step._accumulators or [])]}.values()
+    return sum(int(np.prod(v.shape)) * v.dtype.size for v in state) + report.extra_bytes
+
+
+@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 2048), (_conv, (16, 16, 3), 256)])
+def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng, make, shape, n):
+    model = make()
+    x, y = _data(rng, shape, n)
+    roomy = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=2**30)
+    assert (roomy.micro_batches, roomy.segments) == (1, None)  # it fits: no slowdown
+    plain = roomy.peak_bytes
+    smallest = min(c.measured_bytes for c in roomy.table if c.measured_bytes)
+    assert smallest < 0.75 * plain, roomy  # room to plan in between
+    for fraction in (0.85, 0.6):
+        budget = int(smallest + fraction * (plain - smallest))
+        planned = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=budget)
+        assert planned.micro_batches > 1 or planned.segments is not None, planned
+        assert planned.peak_bytes <= budget, planned
+        again = _measured_peak(model, x, y, planned.micro_batches, planned.segments)
+        assert again <= budget, (again, budget, str(planned))
+        assert planned.planning_seconds < 120, planned  # a few traces, not a search by crashing
+
+
+def test_planned_step_is_still_the_full_batch_update(rng):
+    x, y = _data(rng, (32,), 2048)
+    planned_model, plain_model = _wide_mlp(), _wide_mlp()
+    roomy = effgrad.plan(plain_model, _LOSS, keras.optimizers.SGD(0.1), x, y, budget=2**30)
+    budget = int(0.7 * roomy.peak_bytes)
+    step = effgrad.build_train_step(
+        planned_model, _LOSS, keras.optimizers.SGD(0.1), micro_batches="auto", memory_budget=budget
+    )
+    assert step.micro_batches == "auto" and step.plan is None
+    step(x, y)
+    assert step.plan.peak_bytes <= budget and step.micro_batches == step.plan.micro_batches > 1
+    effgrad.build_train_step(plain_model, _LOSS, keras.optimizers.SGD(0.1))(x, y)
+    for a, b in zip(planned_model.get_weights(), plain_model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng):
+    model = _conv()
+    x, y = _data(rng, (16, 16, 3), 64)
+    optimizer = keras.optimizers.Adam(1e-3)
+    effgrad.build_train_step(model, _LOSS, optimizer)(x, y)  # slots and iterations exist and are non-zero
+    before = [v.numpy().copy() for v in [*model.variables, *optimizer.variables]]
+    assert any("seed" in v.path for v in model.variables)  # the Dropout's RNG state is among them
+    plan = effgrad.plan(model, _LOSS, optimizer, x, y, budget="64MiB")
+    assert plan.table
+    after = [v.numpy() for v in [*model.variables, *optimizer.variables]]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_dominates(rng):
+    model = _wide_mlp()
+    x, y = _data(rng, (32,), 256)
+    with pytest.raises(ValueError, match=r"smallest peak achievable is [\d.,]+ MiB .*dominate"):
+        effgrad.plan(model, _LOSS, keras.optimizers.Adam(), x, y, budget="1MiB")
+
+
+def test_budget_forms():
+    assert planner.parse_budget(1000) == 1000
+    assert planner.parse_budget("300MiB") == 300 * 2**20
+    assert planner.parse_budget("6GiB") == 6 * 2**30
+    assert planner.parse_budget("2.5 GB") == 2_500_000_000
+    assert 0 < planner.parse_budget(0.5) == int(0.5 * planner.device_memory_bytes())
+    for bad in (0, -5, 1.5, "lots", "10 parsecs", True):
+        with pytest.raises(ValueError, match="budget"):
+            planner.parse_budget(bad)
+    model = _wide_mlp()
+    with pytest.raises(ValueError, match="memory_budget"):
+        effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(), micro_batches="auto")
+    with pytest.raises(ValueError, match="micro_batches='auto'"):
+        effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(), micro_batches=2, memory_budget="1GiB")
+
+
+def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng):
+    x, y = _data(rng, (32,), 2048)
+    planned, stock = _wide_mlp(), _wide_mlp()
+    for m in (planned, stock):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss=_LOSS)
+    roomy = effgrad.plan(stock, _LOSS, keras.optimizers.SGD(0.05), x, y, budget=2**30)
+    effgrad.attach(planned, micro_batches="auto", memory_budget=int(0.7 * roomy.peak_bytes))
+    assert planned.effgrad_plan is None
+    history = planned.fit(x, y, batch_size=1024, epochs=1, shuffle=False, verbose=0)
+    assert planned.effgrad_plan.micro_batches > 1 and planned.effgrad_step.micro_batches > 1
+    stock_history = stock.fit(x, y, batch_size=1024, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], stock_history.history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), stock.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    generator_fed = _wide_mlp()
+    generator_fed.compile(optimizer="sgd", loss=_LOSS)
+    effgrad.attach(generator_fed, micro_batches="auto", memory_budget="1GiB")
+    with pytest.raises(TypeError, match="first batch"):
+        generator_fed.fit((b for b in [(x, y)]), verbose=0)
+
+
+def test_plan_prints_its_table(rng):
+    x, y = _data(rng, (32,), 512)
+    text = str(effgrad.plan(_wide_mlp(), _LOSS, keras.optimizers.SGD(), x, y, budget="1GiB"))
+    assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text
