@@ -198,6 +198,7 @@ class _Planner:
         self.batch = int(tf.nest.flatten(self.x)[0].shape[0])
         self.strategy, self.budget, self.margin, self.step_options = strategy, budget, margin, step_options
         self.accumulator_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)  # float32
+        self.parameter_bytes = _bytes(model.variables)
         self.snapshot = [v.numpy() for v in model.variables]
         self.measured: dict[tuple, Candidate] = {}
         self._checkpointed: dict[int, keras.Model] = {}
@@ -387,12 +388,14 @@ def plan(
             base, per_row = fixed
             activations = per_row * _rows(planner.batch, smallest.micro_batches)
             what = (
-                f" Of it, parameters + optimizer state + accumulators + batch are about {base / 2**20:,.1f} MiB "
-                f"and activations {activations / 2**20:,.1f} MiB: "
+                f" Of it, about {base / 2**20:,.1f} MiB does not shrink with micro-batches or segments "
+                f"(parameters {planner.parameter_bytes / 2**20:,.1f} MiB, optimizer state, accumulators, the "
+                f"batch, the backend's per-step workspace) and activations are {activations / 2**20:,.1f} MiB: "
                 + (
-                    "the model's state dominates; a smaller optimizer (SGD, Adafactor) or float16 weights help."
+                    "the fixed part dominates; a smaller optimizer state (SGD, Adafactor), float16 weights or "
+                    "a smaller batch help."
                     if base >= activations
-                    else "activations dominate; a model that checkpoints inside its layers helps."
+                    else "activations dominate; checkpointing inside the model's layers helps."
                 )
             )
         raise ValueError(
