@@ -78,7 +78,7 @@ def child(config: dict) -> dict:
         search_seconds = time.perf_counter() - start
         if plan is not None:
             for c in plan.table:  # every candidate's prediction against a measurement
-                if c.predicted_bytes is not None:
+                if c.predicted_bytes is not None and (c.measured_bytes is not None or not config["quick"]):
                     measured = probe.measure(c.micro_batches, c.segments).measured_bytes
                     errors.append(c.predicted_bytes / measured - 1)
         rows.append(

@@ -192,7 +192,7 @@ def sweep(module: str, sizes: list[int], kinds: list[str], limits: dict, extra: 
 
 def run(quick: bool = False) -> dict:
     sizes = [256] if quick else [512, 2_000, 20_000, 100_000]
-    kinds = ["tf_function_loop", "tf_keras_vis", "effgrad_memory", "effgrad_npy_memmap"] if quick else KINDS
+    kinds = ["tf_function_loop", "effgrad_npy_memmap"] if quick else KINDS  # quick: it runs, peers are for real runs
     rows = sweep(MODULE, sizes, kinds, PEER_LIMIT, {"batch_size": 256}, rounds=1 if quick else 2)
     title = (
         "Saliency (vanilla gradient) over N 32x32x3 images read from a .npy memmap, small CNN, batch 256: "

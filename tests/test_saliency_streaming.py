@@ -442,3 +442,9 @@ def test_one_writer_per_output_file(tmp_path, x):
     held.release()
     effgrad.saliency(_model(), x, out=path, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["maps.npy", "maps.npy.journal.json"]  # lock removed
+
+
+def test_effgrad_help_does_not_load_tensorflow():
+    probe = "import sys; sys.argv = ['effgrad', '--help']; import effgrad; print('tensorflow' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
