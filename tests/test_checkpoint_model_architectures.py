@@ -13,7 +13,8 @@ import tensorflow as tf
 import effgrad
 from test_checkpoint_model import assert_same_computation
 
-APPLICATIONS = ["ResNet50", "MobileNetV2", "DenseNet121", "EfficientNetB0"]
+# DenseNet121 (78 cuts, each a concatenation) also passes; left out of the default run for time (45 s).
+APPLICATIONS = ["ResNet50", "MobileNetV2", "EfficientNetB0"]
 
 
 def _application(name):
