@@ -136,6 +136,9 @@ def test_several_points_per_pass_give_the_same_maps(data, method, options):
     for per_pass in (2, 3, 7):  # 7 > samples: clamped; 2, 3: a padded last pass
         many = effgrad.saliency(model, data, method=method, batch_size=5, progress=False, **options, **{key: per_pass})
         np.testing.assert_allclose(many, one, rtol=1e-5, atol=1e-6, err_msg=f"{key}={per_pass}")
+    jobs = list(model._effgrad_saliency_jobs.values())
+    clamped = 7 if key == "steps_per_pass" else 5  # at most steps + 1 points, at most samples
+    assert sorted(job.method.options[key] for job in jobs) == [1, 2, 3, clamped]  # each its own job
 
 
 def test_integrated_gradients_is_exact_for_a_quadratic(rng):

@@ -79,8 +79,9 @@ def prepare(
         source = dataclasses.replace(source, num_examples=len(target.indices))  # the target array tells the length
     map_shape = reductions.reduced_shape(source.example_shape, reduce)
     method_config = method.config()
+    per_pass = {k: v for k, v in method.options.items() if k.endswith("_per_pass")}  # not in config(): how, not what
     key = (
-        json.dumps(method_config, sort_keys=True),
+        json.dumps({**method_config, **per_pass}, sort_keys=True),
         reduce,
         target.job_key(),
         np.dtype(dtype).str,
