@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from effgrad.explain.engine import stream
-from effgrad.explain.plan import SaliencyPlan, prepare
+from effgrad.explain.plan import SaliencyPlan, prepare, weights_checksum
 from effgrad.explain.sinks import ArraySink, GrowingArraySink, NpyFileSink, Sink
 
 __all__ = ["saliency", "open_sink"]
@@ -33,7 +33,9 @@ def open_sink(out, plan: SaliencyPlan, resume: bool = False) -> Sink:
             raise ValueError("The output buffer is read-only (a memmap opened with mode 'r'?); pass a writable one.")
         return ArraySink(out)
     if is_path:
-        return NpyFileSink.open(out, map_shape, n, dtype, plan.config, resume)
+        # Reading every weight is for the journal only: in-memory runs skip it.
+        config = {**plan.config, "model": weights_checksum(plan.job.model)}
+        return NpyFileSink.open(out, map_shape, n, dtype, config, resume)
     raise TypeError(f"out must be None, a path to a .npy file or a NumPy array/memmap, got {type(out).__name__}.")
 
 

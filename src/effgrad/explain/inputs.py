@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from effgrad import _checks
 from effgrad.explain.sinks import release_rows
 
 __all__ = ["Source", "as_source"]
@@ -60,8 +61,6 @@ def _check_rank(shape, what: str) -> None:
 def as_source(inputs, batch_size: int, num_examples: int | None = None) -> Source:
     """The :class:`Source` of ``inputs``; raises ``TypeError``/``ValueError`` for what cannot work."""
     if num_examples is not None:
-        from effgrad import _checks
-
         num_examples = _checks.positive_int(num_examples, "num_examples")
     if isinstance(inputs, (np.ndarray, tf.Tensor)):
         _check_rank(inputs.shape, "inputs")

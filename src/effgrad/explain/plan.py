@@ -20,7 +20,7 @@ from effgrad.explain import reductions, targets
 from effgrad.explain.inputs import Source, as_source
 from effgrad.explain.job import SaliencyJob, cached_job
 
-__all__ = ["SaliencyPlan", "prepare"]
+__all__ = ["SaliencyPlan", "prepare", "weights_checksum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,8 @@ class SaliencyPlan:
         target: The resolved target (per-example indices included).
         map_shape: Shape of one example's (reduced) map.
         dtype: The maps' NumPy dtype.
-        config: JSON-able identity of the run (what a resume must match).
+        config: JSON-able identity of the run (what a resume must match; the
+            weights' checksum is added only for a file output, which needs it).
     """
 
     job: SaliencyJob
@@ -101,12 +102,11 @@ def prepare(
         "batch_size": batch_size,
         "shape": [source.num_examples, *map_shape],
         "target": target.identity(),
-        "model": _weights_checksum(model),
     }
     return SaliencyPlan(job, source, target, map_shape, np.dtype(dtype), config)
 
 
-def _weights_checksum(model) -> str:
+def weights_checksum(model) -> str:
     """CRC-32 of every weight's values: a resume with other weights is refused."""
     crc = 0
     for weight in getattr(model, "weights", []):
