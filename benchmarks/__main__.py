@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.suites) - set(SUITES))
     if unknown:
         parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    if args.quick:  # read by benchmarks.common: run configurations in this process
+        os.environ["EFFGRAD_BENCHMARK_QUICK"] = "1"
     if args.results:  # read by benchmarks.common, here and in every child process
         os.environ["EFFGRAD_BENCHMARK_RESULTS"] = os.path.abspath(args.results)
     from benchmarks import common, plots

@@ -27,11 +27,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sal = sub.add_parser(
         "saliency",
-        help="stream saliency maps of a saved Keras model over a .npy file into a .npy file",
-        description="Memory-maps INPUTS.npy in and MAPS.npy out, so neither has to fit in RAM.",
+        help="stream saliency maps of a saved Keras model over .npy/.npz inputs into .npy files",
+        description="Memory-maps the inputs in and the maps out, so neither has to fit in RAM. A model with "
+        "several inputs reads them from an .npz (one array per input, by name); its maps go to one file per "
+        "differentiated input (MAPS.npy -> MAPS.<input>.npy).",
     )
     sal.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('m.keras')")
-    sal.add_argument("inputs", metavar="INPUTS.npy", help="float inputs, one example per row")
+    sal.add_argument(
+        "inputs", metavar="INPUTS", help="a .npy (one example per row) or an .npz with one array per model input"
+    )
     sal.add_argument("--out", required=True, metavar="MAPS.npy", help="output file (never overwritten)")
     sal.add_argument(
         "--method", default="gradient", choices=["gradient", "gradient_x_input", "smoothgrad", "integrated_gradients"]
@@ -39,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     sal.add_argument("--reduce", default=None, choices=["abs", "abs_max", "abs_sum", "l2", "sum"])
     sal.add_argument("--batch-size", type=int, default=64)
     sal.add_argument("--target", type=int, default=None, help="output unit to explain (default: each arg-max)")
+    sal.add_argument("--output", metavar="NAME_OR_INDEX", help="which output of a model with several to explain")
+    sal.add_argument(
+        "--layer", metavar="NAME", help="differentiate this layer's output (e.g. token_embedding of a text model)"
+    )
+    sal.add_argument(
+        "--cast",
+        action="append",
+        default=[],
+        metavar="[INPUT=]DTYPE",
+        help="cast inputs as they are read, e.g. --cast float32 for uint8 images (all inputs), or --cast "
+        "image=float32 (one input; repeatable)",
+    )
     sal.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     sal.add_argument("--resume", action="store_true", help="continue an interrupted run into --out")
     sal.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,13 +75,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def _saliency(args) -> int:
     import keras
-    import numpy as np
 
     import effgrad  # noqa: F401 - registers effgrad layers before loading the model
+    from effgrad import _arrays
     from effgrad.explain import saliency
 
     model = keras.models.load_model(args.model)
-    inputs = np.load(args.inputs, mmap_mode="r")
+    arrays = _arrays.model_inputs(model, _arrays.load(args.inputs))
+    inputs, num_examples = _arrays.cast(arrays, args.cast, args.batch_size)
+    passed = _arrays.integer_inputs(arrays, args.cast)
+    if passed and args.layer is None:
+        print(
+            f"effgrad saliency: integer input(s) {', '.join(passed)} are passed through, not explained "
+            "(--cast NAME=float32 to explain an image stored as integers; --layer for token ids)",
+            file=sys.stderr,
+        )
+    output = int(args.output) if args.output is not None and args.output.lstrip("-").isdigit() else args.output
     maps = saliency(
         model,
         inputs,
@@ -73,13 +98,21 @@ def _saliency(args) -> int:
         reduce=args.reduce,
         batch_size=args.batch_size,
         target=args.target,
+        output=output,
+        layer=args.layer,
         dtype=args.dtype,
         out=args.out,
         resume=args.resume,
         progress=not args.no_progress,
+        num_examples=num_examples,
     )
-    print(f"wrote {args.out}: {maps.shape} {maps.dtype}")
+    for result in [m for m in (maps.values() if isinstance(maps, dict) else _flat(maps)) if m is not None]:
+        print(f"wrote {result.filename}: {result.shape} {result.dtype}")
     return 0
+
+
+def _flat(maps) -> list:
+    return list(maps) if isinstance(maps, (tuple, list)) else [maps]
 
 
 def _budget(text: str):

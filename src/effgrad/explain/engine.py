@@ -5,6 +5,7 @@ Algorithm::
     stager thread:  read the next rows (a memmap reads them from disk), checksum them,
                     make the input tensor                  -> at most 2 batches ahead
     main thread:    maps = job.maps(x, targets, row)      -> at most 2 batches behind
+                    (x: the batch's nest of inputs; maps: one per differentiated tensor)
     writer thread:  maps.numpy() -> sink rows [row, row + B); commit every ~0.5 s
 
 So reading and checksumming the next batch and copying the last one to the
@@ -44,29 +45,35 @@ class _End:
 def _staged(source, start_row: int, expected_crc: int | None, total: int | None):
     """Yields ``(row, x, n, crc)`` for the rows not yet committed, then an ``_End``.
 
-    The committed rows are read and checksummed, not yielded: a resume sees
-    the same rows again before anything new is computed.
+    ``x`` is the batch's nest of tensors. The committed rows are read and
+    checksummed, not yielded: a resume sees the same rows again before
+    anything new is computed.
     """
-    row, crc = 0, 0
+    row, crcs = 0, None
     for batch in source.batches():
-        values = batch.numpy() if tf.is_tensor(batch) else np.asarray(batch)
-        n = len(values)
+        leaves = tf.nest.flatten(batch)
+        values = [v.numpy() if tf.is_tensor(v) else np.asarray(v) for v in leaves]
+        n = len(values[0])
+        if any(len(v) != n for v in values):
+            raise ValueError(f"A batch has inputs with different numbers of rows: {[len(v) for v in values]}.")
+        crcs = crcs or [0] * len(values)
         if row < start_row:  # already committed: only checked, not computed
             seen = min(n, start_row - row)
-            crc, row = _checksum(values[:seen], crc), row + seen
+            crcs, row = [_checksum(v[:seen], c) for v, c in zip(values, crcs)], row + seen
             if row == start_row:
-                _check_same_rows(crc, expected_crc, start_row)
+                _check_same_rows(_combined(crcs), expected_crc, start_row)
             if seen == n:
                 continue
-            batch, values, n = batch[seen:], values[seen:], n - seen
+            leaves, values, n = [v[seen:] for v in leaves], [v[seen:] for v in values], n - seen
         if total is not None and row + n > total:
             raise ValueError(f"The inputs hold more than num_examples={total} examples.")
-        crc = _checksum(values, crc)
-        yield row, (batch if tf.is_tensor(batch) else tf.convert_to_tensor(values)), n, crc
+        crcs = [_checksum(v, c) for v, c in zip(values, crcs)]
+        tensors = [leaf if tf.is_tensor(leaf) else tf.convert_to_tensor(v) for leaf, v in zip(leaves, values)]
+        yield row, tf.nest.pack_sequence_as(batch, tensors), n, _combined(crcs)
         row += n
     if row < start_row:
         raise ValueError(f"Cannot resume: the inputs end after {row} rows, before the {start_row} committed ones.")
-    yield _End(row, crc)
+    yield _End(row, _combined(crcs or [0]))
 
 
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
@@ -118,7 +125,7 @@ class _Writer:
             self.thread = threading.Thread(target=self._drain, name="effgrad-saliency-writer", daemon=True)
             self.thread.start()
 
-    def submit(self, start: int, maps, targets, crc: int) -> None:
+    def submit(self, start: int, maps: tuple, targets, crc: int) -> None:
         if self.queue is not None:
             self.queue.put((start, maps, targets, crc))
         else:
@@ -126,7 +133,7 @@ class _Writer:
 
     def _write(self, start, maps, targets, crc) -> None:
         self.sink.write(start, maps, targets)
-        done = start + int(maps.shape[0])
+        done = start + int(maps[0].shape[0])
         self.bar.update(done)
         if time.perf_counter() - self.last_commit > _COMMIT_EVERY_SECONDS:
             self.sink.commit(done, crc)
@@ -191,6 +198,11 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
             raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
         sink.finish(end.rows, end.crc)
         bar.update(end.rows, finalize=True)
+
+
+def _combined(crcs: list[int]) -> int:
+    """One checksum of several inputs' running CRCs (each input's own: independent of batch boundaries)."""
+    return crcs[0] if len(crcs) == 1 else zlib.crc32(np.asarray(crcs, "uint32").tobytes())
 
 
 def _checksum(values: np.ndarray, crc: int) -> int:

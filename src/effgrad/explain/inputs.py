@@ -1,8 +1,11 @@
 """Input adapters: every kind of ``inputs`` as one :class:`Source` of batches.
 
-Arrays and tensors are cut into ``batch_size`` rows (a memmap reads only the
-rows of the batch at hand); datasets and iterables are taken batch by batch
-as they come (their elements are ``x`` or ``(x, ...)``). The number of
+An input is one array or a *nest* of them (a dict, or a tuple/list for a
+model with several inputs), one example per row of each. Arrays and tensors
+are cut into ``batch_size`` rows (a memmap reads only the rows of the batch
+at hand); datasets and iterables are taken batch by batch as they come. Their
+elements follow Keras's convention: ``x`` or ``(x, y, ...)``, where ``x`` may
+itself be a nest (a dict of token ids and padding mask, say). The number of
 examples is known up front for arrays, tensors and lists, and is ``None`` for
 datasets and generators unless the caller says it (``num_examples``).
 
@@ -26,87 +29,156 @@ import tensorflow as tf
 from effgrad import _checks
 from effgrad.explain.sinks import release_rows
 
-__all__ = ["Source", "as_source"]
+__all__ = ["Source", "as_source", "leaf_names"]
 
 
 @dataclass(frozen=True)
 class Source:
-    """Batches of one input, with what is known about it before the first batch.
+    """Batches of the inputs, with what is known about them before the first batch.
 
     Attributes:
         num_examples: Rows in all, or ``None`` when only the end tells.
-        example_shape: Shape of one example (no batch axis).
-        dtype: The inputs' dtype.
-        batches: ``batches()`` -> iterator of arrays/tensors from the first row.
-        sample: One example with its batch axis, to probe the model's outputs.
+        spec: Nest of ``tf.TensorSpec`` (batch axis ``None``), one per input.
+        batches: ``batches()`` -> iterator of nests of arrays/tensors, from the first row.
+        sample: One example of each input, with its batch axis, to probe the model.
     """
 
     num_examples: int | None
-    example_shape: tuple
-    dtype: tf.DType
+    spec: Any
     batches: Callable[[], Iterator]
     sample: Any
 
+    @property
+    def leaves(self) -> list[tf.TensorSpec]:
+        return tf.nest.flatten(self.spec)
 
-def _first_tensor(element):
-    """Dataset/iterable elements are ``x`` or ``(x, ...)``: take ``x``."""
+
+def leaf_names(structure) -> list[str]:
+    """A name per leaf of a nest, in ``tf.nest.flatten`` order: dict keys and
+    sequence positions joined by dots (``"image"``, ``"0"``, ``"text.ids"``);
+    ``""`` for a lone array."""
+    if isinstance(structure, dict):  # tf.nest's order: sorted keys
+        items = [(str(k), structure[k]) for k in sorted(structure)]
+    elif isinstance(structure, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(structure)]
+    else:
+        return [""]
+    return [f"{key}.{name}" if name else key for key, value in items for name in leaf_names(value)]
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (np.ndarray, tf.Tensor))
+
+
+def _x_of(element):
+    """Dataset/iterable elements are ``x`` or ``(x, y, ...)`` (Keras's convention): take ``x``."""
     return element[0] if isinstance(element, (tuple, list)) else element
 
 
-def _check_rank(shape, what: str) -> None:
-    if len(shape) == 0:
-        raise ValueError(f"{what} must have a leading batch dimension; got a scalar.")
+def _spec(structure, what: str):
+    """The nest of batch-axis-free ``TensorSpec`` of a nest of arrays, tensors or specs."""
+
+    def one(leaf):
+        if isinstance(leaf, tf.TensorSpec):
+            shape, dtype = leaf.shape, leaf.dtype
+        elif _is_array(leaf) or hasattr(leaf, "shape"):
+            shape, dtype = tf.TensorShape(leaf.shape), tf.as_dtype(leaf.dtype)
+        else:
+            raise TypeError(f"{what} must be arrays or tensors (or dicts/tuples of them), found {type(leaf).__name__}.")
+        if shape.rank == 0:
+            raise ValueError(f"{what} must have a leading batch dimension; got a scalar.")
+        return tf.TensorSpec([None, *shape[1:]], dtype)
+
+    return tf.nest.map_structure(one, structure)
 
 
-def as_source(inputs, batch_size: int, num_examples: int | None = None) -> Source:
-    """The :class:`Source` of ``inputs``; raises ``TypeError``/``ValueError`` for what cannot work."""
+def _rows(structure, what: str) -> int:
+    """The common number of rows of a nest of arrays; raises if they differ."""
+    counts = {
+        name or "inputs": int(leaf.shape[0]) for name, leaf in zip(leaf_names(structure), tf.nest.flatten(structure))
+    }
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"{what} must have the same number of rows (examples) in every input; got {counts}.")
+    return next(iter(counts.values()))
+
+
+def _with_known_shapes(spec, sample):
+    """Fills dimensions a dataset leaves unknown (``None``) from its first batch."""
+    return tf.nest.map_structure(
+        lambda s, v: s if None not in s.shape[1:].as_list() else tf.TensorSpec([None, *v.shape[1:]], s.dtype),
+        spec,
+        sample,
+    )
+
+
+def as_source(inputs, batch_size: int, num_examples: int | None = None, *, several_inputs: bool = False) -> Source:
+    """The :class:`Source` of ``inputs``; raises ``TypeError``/``ValueError`` for what cannot work.
+
+    ``several_inputs`` (the model takes more than one input) makes a
+    tuple/list of arrays the model's inputs, as in ``model.predict([a, b])``;
+    otherwise a list is a list of batches.
+    """
     if num_examples is not None:
         num_examples = _checks.positive_int(num_examples, "num_examples")
-    if isinstance(inputs, (np.ndarray, tf.Tensor)):
-        _check_rank(inputs.shape, "inputs")
-        n = int(inputs.shape[0])
-        if num_examples is not None and num_examples != n:
-            raise ValueError(
-                f"num_examples={num_examples} but the inputs hold {n} examples; num_examples is only for "
-                "datasets and generators of unknown length: leave it out."
-            )
-
-        def batches():
-            for start in range(0, n, batch_size):
-                yield inputs[start : start + batch_size]  # a memmap reads just these rows
-                release_rows(inputs, start)  # the rows before this batch were copied to the device
-
-        return Source(n, tuple(inputs.shape[1:]), tf.as_dtype(inputs.dtype), batches, inputs[:1])
+    is_nest = isinstance(inputs, dict) or (
+        several_inputs
+        and isinstance(inputs, (tuple, list))
+        and len(inputs) > 0
+        and all(map(_is_array, tf.nest.flatten(inputs)))
+    )
+    if _is_array(inputs) or is_nest:
+        return _array_source(inputs, batch_size, num_examples)
     if isinstance(inputs, tf.data.Dataset):
-        spec = _first_tensor(inputs.element_spec)
-        _check_rank(spec.shape, "The dataset's elements (batches)")
+        x_spec = _x_of(inputs.element_spec)
+        spec = _spec(x_spec, "The dataset's elements (batches)")
         first = next(iter(inputs.take(1)), None)
         if first is None:
             raise ValueError("inputs is an empty tf.data.Dataset: there is nothing to explain.")
-        sample = _first_tensor(first)[:1]
-        shape = tuple(spec.shape[1:].as_list())
-        if None in shape:  # e.g. a ragged last axis: the first batch tells
-            shape = tuple(sample.shape[1:])
-        return Source(num_examples, shape, spec.dtype, lambda: (_first_tensor(e) for e in inputs), sample)
-    if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes, dict)):
+        sample = _slice(_x_of(first), 0, 1)
+        return Source(num_examples, _with_known_shapes(spec, sample), lambda: (_x_of(e) for e in inputs), sample)
+    if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes)):
         if isinstance(inputs, (list, tuple)):  # re-iterable and sized: the length is known
-            elements = [_first_tensor(e) for e in inputs]
+            elements = [_x_of(e) for e in inputs]
             if not elements:
                 raise ValueError("inputs is an empty list of batches.")
+            spec = _spec(elements[0], "Each batch")
             for e in elements:
-                _check_rank(e.shape, "Each batch")
-            n = sum(int(e.shape[0]) for e in elements)
-            first = elements[0]
-            return Source(n, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda: iter(elements), first[:1])
+                _spec(e, "Each batch")
+            n = sum(_rows(e, "Each batch") for e in elements)
+            sample = _slice(elements[0], 0, 1)
+            return Source(n, spec, lambda: iter(elements), sample)
         iterator = iter(inputs)
         try:
-            first = _first_tensor(next(iterator))
+            first = _x_of(next(iterator))
         except StopIteration:
             raise ValueError("inputs is an empty iterator: there is nothing to explain.") from None
-        _check_rank(first.shape, "Each batch")
-        chained = itertools.chain([first], (_first_tensor(e) for e in iterator))
-        return Source(num_examples, tuple(first.shape[1:]), tf.as_dtype(first.dtype), lambda: chained, first[:1])
+        spec = _spec(first, "Each batch")
+        chained = itertools.chain([first], (_x_of(e) for e in iterator))
+        return Source(num_examples, spec, lambda: chained, _slice(first, 0, 1))
     raise TypeError(
-        f"inputs must be a NumPy array/memmap, a tf.Tensor, a batched tf.data.Dataset or an iterable of "
-        f"batches, got {type(inputs).__name__}."
+        f"inputs must be a NumPy array/memmap, a tf.Tensor, a dict (or, for a model with several inputs, a "
+        f"tuple) of them, a batched tf.data.Dataset or an iterable of batches, got {type(inputs).__name__}."
     )
+
+
+def _array_source(inputs, batch_size: int, num_examples: int | None) -> Source:
+    spec = _spec(inputs, "inputs")
+    n = _rows(inputs, "inputs")
+    if num_examples is not None and num_examples != n:
+        raise ValueError(
+            f"num_examples={num_examples} but the inputs hold {n} examples; num_examples is only for "
+            "datasets and generators of unknown length: leave it out."
+        )
+    leaves = tf.nest.flatten(inputs)
+
+    def batches():
+        for start in range(0, n, batch_size):
+            yield _slice(inputs, start, start + batch_size)  # a memmap reads just these rows
+            for leaf in leaves:
+                release_rows(leaf, start)  # the rows before this batch were copied to the device
+
+    return Source(n, spec, batches, _slice(inputs, 0, 1))
+
+
+def _slice(inputs, start: int, stop: int):
+    return tf.nest.map_structure(lambda a: a[start:stop], inputs)

@@ -32,36 +32,43 @@ _JOBS_PER_MODEL = 4
 
 
 class SaliencyJob:
-    """One compiled ``(method, reduce, target, dtype, input spec)`` batch function."""
+    """One compiled ``(what is differentiated, method, reduce, target, dtype, input spec)`` batch function.
 
-    def __init__(self, model, method, reduce, target: Target, dtype, example_shape, input_dtype, strategy=None):
-        self.model, self.method, self.reduce = model, method, reduce
+    ``maps(x, indices, row_offset)`` takes a nest of input tensors (as the
+    source's ``spec``) and returns a tuple of maps, one per differentiated
+    tensor, and the explained unit of each row.
+    """
+
+    def __init__(self, model, wrt, method, reduce, target: Target, dtype, spec, strategy=None):
+        self.model, self.wrt, self.method, self.reduce = model, wrt, method, reduce
         self.target, self.dtype, self.strategy = target, tf.as_dtype(dtype), strategy
         self.trace_count = 0
         self.maps = tf.function(
             self._maps,
             autograph=False,
-            input_signature=[
-                tf.TensorSpec([None, *example_shape], input_dtype),
-                tf.TensorSpec([None], tf.int32),
-                tf.TensorSpec([], tf.int64),
-            ],
+            input_signature=[spec, tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int64)],
         )
 
     def _replica_maps(self, x, indices, row_offset):
-        mode = self.target.mode
+        mode, xs = self.target.mode, self.wrt.start(x)
+
+        def forward(points):
+            return self.wrt.forward(x, points)
+
         if mode is TargetMode.ARGMAX and self.method.scores_at_input:
             chosen = []  # the arg-max of the differentiated pass itself: one forward pass, not two
-            maps = self.method.attribute(score_function(self.model, self.target, None, chosen), x, row_offset)
+            maps = self.method.attribute(score_function(forward, self.target, None, chosen), xs, row_offset)
             indices = chosen[0]
         else:
+            rows = tf.shape(xs[0])[0]
             if mode is TargetMode.FIXED:
-                indices = tf.fill([tf.shape(x)[0]], tf.constant(self.target.value, tf.int32))
+                indices = tf.fill([rows], tf.constant(self.target.value, tf.int32))
             elif mode is TargetMode.ARGMAX:  # noisy/interpolated inputs: the target is the clean input's
-                outputs = self.model(x, training=False)
-                indices = tf.cast(tf.argmax(tf.reshape(outputs, [tf.shape(x)[0], -1]), axis=-1), tf.int32)
-            maps = self.method.attribute(score_function(self.model, self.target, indices), x, row_offset)
-        return tf.cast(reductions.reduce_map(maps, self.reduce), self.dtype), indices
+                outputs = forward(xs)
+                indices = tf.cast(tf.argmax(tf.reshape(outputs, [rows, -1]), axis=-1), tf.int32)
+            maps = self.method.attribute(score_function(forward, self.target, indices), xs, row_offset)
+        maps = tuple(tf.cast(reductions.reduce_map(m, self.reduce), self.dtype) for m in maps)
+        return maps, indices
 
     def _maps(self, x, indices, row_offset):
         self.trace_count += 1
@@ -69,11 +76,13 @@ class SaliencyJob:
             return self._replica_maps(x, indices, row_offset)
 
         def shard(x, indices, row_offset):
-            start, stop = distribute.replica_rows(tf.shape(x)[0])
-            return self._replica_maps(x[start:stop], indices[start:stop], row_offset + tf.cast(start, tf.int64))
+            start, stop = distribute.replica_rows(tf.shape(indices)[0])
+            rows = tf.nest.map_structure(lambda v: v[start:stop], x)
+            return self._replica_maps(rows, indices[start:stop], row_offset + tf.cast(start, tf.int64))
 
-        per_replica = self.strategy.run(shard, args=(x, indices, row_offset))
-        return tuple(self.strategy.gather(t, axis=0) for t in per_replica)  # replica order = row order
+        maps, targets = self.strategy.run(shard, args=(x, indices, row_offset))
+        gather = self.strategy.gather  # replica order = row order
+        return tuple(gather(m, axis=0) for m in maps), gather(targets, axis=0)
 
 
 def cached_job(model, key, make) -> SaliencyJob:

@@ -1,11 +1,13 @@
 """Saliency methods: one small class each, one method to implement.
 
-Every method maps ``(score_fn, x)`` to attributions with ``x``'s shape, where
-``score_fn(x) -> [B]`` is the differentiated score of each example (its
-target logit). Shared behaviour lives once: input gradients, and weighted
-sums of gradients over noise samples or path points (``weighted_gradient_sum``:
-``*_per_pass`` points stacked into one evaluation, passes one after another in
-a ``tf.while_loop``), so memory is ``*_per_pass`` batches whatever ``samples``
+Every method maps ``(score_fn, xs)`` to attributions, one per tensor of
+``xs`` (the differentiated inputs, or a layer's output: see
+:mod:`effgrad.explain.wrt`) and of its shape, where ``score_fn(xs) -> [B]``
+is the differentiated score of each example (its target logit). Shared
+behaviour lives once: input gradients, and weighted sums of gradients over
+noise samples or path points (``weighted_gradient_sum``: ``*_per_pass``
+points stacked into one evaluation, passes one after another in a
+``tf.while_loop``), so memory is ``*_per_pass`` batches whatever ``samples``
 or ``steps`` is.
 
 =====================  =====================================================
@@ -19,6 +21,7 @@ or ``steps`` is.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import numpy as np
@@ -38,34 +41,35 @@ __all__ = [
 ]
 
 
-def input_gradients(score_fn, x: tf.Tensor) -> tf.Tensor:
-    """``d sum(score_fn(x)) / d x``: each example's score w.r.t. its own input."""
+def input_gradients(score_fn, xs: list) -> list:
+    """``d sum(score_fn(xs)) / d x`` for each ``x`` of ``xs``: each example's score w.r.t. its own inputs."""
     with tf.GradientTape() as tape:
-        tape.watch(x)
-        scores = score_fn(x)
-    return tape.gradient(scores, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        tape.watch(xs)
+        scores = score_fn(xs)
+    return tape.gradient(scores, xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def sequential_sum(n: int, term, like: tf.Tensor) -> tf.Tensor:
-    """``sum(term(i) for i in range(n))``, one term alive at a time."""
+def sequential_sum(n: int, term, like: list) -> list:
+    """``sum(term(i) for i in range(n))`` (lists of tensors shaped as ``like``), one term alive at a time."""
 
     def body(i, total):
         value = term(i)
-        with tf.control_dependencies([value]):  # the next term starts after this one
-            return i + 1, total + value
+        with tf.control_dependencies(value):  # the next term starts after this one
+            return i + 1, [t + v for t, v in zip(total, value)]
 
-    _, total = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), tf.zeros_like(like)))
+    _, total = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), [tf.zeros_like(t) for t in like]))
     return total
 
 
-def weighted_gradient_sum(score_fn, x: tf.Tensor, count: int, per_pass: int, point, weight) -> tf.Tensor:
-    """``sum_k weight(k) * d score / d x at point(k)`` for ``k < count``.
+def weighted_gradient_sum(score_fn, xs: list, count: int, per_pass: int, point, weight) -> list:
+    """``sum_k weight(k) * d score / d x at point(k)`` for ``k < count``, for each ``x`` of ``xs``.
 
-    ``point(ks) -> [P, B, ...]`` builds the inputs of ``P`` points at once;
-    ``per_pass`` points are stacked along the batch axis into one gradient
-    evaluation (``per_pass x B`` rows: better use of a wide accelerator),
-    and passes run one after another, so memory is ``per_pass`` batches
-    whatever ``count`` is. A last partial pass pads with zero-weight points.
+    ``point(ks) -> [[P, B, ...] per x]`` builds the inputs of ``P`` points at
+    once; ``per_pass`` points are stacked along the batch axis into one
+    gradient evaluation (``per_pass x B`` rows: better use of a wide
+    accelerator), and passes run one after another, so memory is
+    ``per_pass`` batches whatever ``count`` is. A last partial pass pads
+    with zero-weight points.
     """
     passes = -(-count // per_pass)
 
@@ -73,13 +77,16 @@ def weighted_gradient_sum(score_fn, x: tf.Tensor, count: int, per_pass: int, poi
         ks = i * per_pass + tf.range(per_pass)
         valid = ks < count
         ks = tf.minimum(ks, count - 1)
-        inputs = point(ks)
-        flat = tf.reshape(inputs, tf.concat([[-1], tf.shape(x)[1:]], 0))
-        grads = tf.reshape(input_gradients(score_fn, flat), tf.shape(inputs))
-        w = tf.where(valid, tf.cast(weight(ks), x.dtype), tf.zeros([], x.dtype))
-        return tf.tensordot(w, grads, axes=1)
+        stacked = point(ks)
+        flat = [tf.reshape(p, tf.concat([[-1], tf.shape(x)[1:]], 0)) for p, x in zip(stacked, xs)]
+        grads = input_gradients(score_fn, flat)
+        sums = []
+        for x, p, g in zip(xs, stacked, grads):
+            w = tf.where(valid, tf.cast(weight(ks), x.dtype), tf.zeros([], x.dtype))
+            sums.append(tf.tensordot(w, tf.reshape(g, tf.shape(p)), axes=1))
+        return sums
 
-    return sequential_sum(passes, one_pass, x)
+    return sequential_sum(passes, one_pass, xs)
 
 
 _M32 = 0xFFFFFFFF
@@ -143,16 +150,25 @@ class SaliencyMethod:
             raise TypeError(f"{self.name} got unknown option(s) {sorted(unknown)}; its options are: {known}.")
         self.options = {**self.defaults, **options}
 
-    def attribute(self, score_fn, x: tf.Tensor, row_offset: tf.Tensor) -> tf.Tensor:
-        """Attributions for the batch ``x`` (rows ``row_offset...`` of the dataset)."""
+    def attribute(self, score_fn, xs: list, row_offset: tf.Tensor) -> list:
+        """Attributions for the batch ``xs`` (rows ``row_offset...`` of the dataset), one per tensor."""
         raise NotImplementedError
+
+    def for_tensors(self, names: list[str]) -> SaliencyMethod:
+        """The method ready for the differentiated tensors ``names`` (checks per-tensor options)."""
+        return self
 
     def config(self) -> dict:
         """JSON-able identity of the method (what a resume must match)."""
 
         def plain(value):
-            if isinstance(value, np.ndarray):
-                return {"array_sha1": hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()}
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in sorted(value.items())}
+            if isinstance(value, (tuple, list)):
+                return [plain(v) for v in value]
+            if isinstance(value, np.ndarray) or tf.is_tensor(value):
+                data = np.ascontiguousarray(np.asarray(value, "float32")).tobytes()
+                return {"array_sha1": hashlib.sha1(data).hexdigest()}
             return value
 
         return {"method": self.name, **{k: plain(v) for k, v in sorted(self.options.items())}}
@@ -164,8 +180,8 @@ class Gradient(SaliencyMethod):
     name = "gradient"
     scores_at_input = True
 
-    def attribute(self, score_fn, x, row_offset):
-        return input_gradients(score_fn, x)
+    def attribute(self, score_fn, xs, row_offset):
+        return input_gradients(score_fn, xs)
 
 
 class GradientXInput(SaliencyMethod):
@@ -174,8 +190,8 @@ class GradientXInput(SaliencyMethod):
     name = "gradient_x_input"
     scores_at_input = True
 
-    def attribute(self, score_fn, x, row_offset):
-        return x * input_gradients(score_fn, x)
+    def attribute(self, score_fn, xs, row_offset):
+        return [x * g for x, g in zip(xs, input_gradients(score_fn, xs))]
 
 
 class SmoothGrad(SaliencyMethod):
@@ -216,21 +232,27 @@ class SmoothGrad(SaliencyMethod):
         del config["samples_per_pass"]  # how, not what: a resume may change it
         return config
 
-    def attribute(self, score_fn, x, row_offset):
-        samples = self.options["samples"]
-        axes = list(range(1, x.shape.rank))
-        spread = tf.reduce_max(x, axis=axes, keepdims=True) - tf.reduce_min(x, axis=axes, keepdims=True)
-        sigma = float(self.options["noise"]) * spread
-        rows = tf.cast(row_offset, tf.int64) + tf.range(tf.shape(x, out_type=tf.int64)[0])
+    def attribute(self, score_fn, xs, row_offset):
+        samples, seed = self.options["samples"], int(self.options["seed"])
+        rows = tf.cast(row_offset, tf.int64) + tf.range(tf.shape(xs[0], out_type=tf.int64)[0])
+        sigmas = []
+        for x in xs:  # each input's own value range
+            axes = list(range(1, x.shape.rank))
+            spread = tf.reduce_max(x, axis=axes, keepdims=True) - tf.reduce_min(x, axis=axes, keepdims=True)
+            sigmas.append(float(self.options["noise"]) * spread)
 
         def point(ks):
-            noise = counter_normal(int(self.options["seed"]), ks, rows, tuple(x.shape[1:].as_list()), x.dtype)
-            return x[None] + sigma[None] * noise
+            # Input j's noise has its own stream (seed + j * golden ratio): inputs of one shape get different noise.
+            return [
+                x[None]
+                + sigma[None] * counter_normal(seed + j * 0x9E3779B9, ks, rows, tuple(x.shape[1:].as_list()), x.dtype)
+                for j, (x, sigma) in enumerate(zip(xs, sigmas))
+            ]
 
         total = weighted_gradient_sum(
-            score_fn, x, samples, self.options["samples_per_pass"], point, lambda ks: tf.ones_like(ks)
+            score_fn, xs, samples, self.options["samples_per_pass"], point, lambda ks: tf.ones_like(ks)
         )
-        return total / samples
+        return [t / samples for t in total]
 
 
 class IntegratedGradients(SaliencyMethod):
@@ -241,8 +263,10 @@ class IntegratedGradients(SaliencyMethod):
         a_k   = k / steps,  k = 0 .. steps;   w_k = 1/2 at both ends, else 1
         map   = (x - x0) * sum_k w_k * d score / d x  at  x0 + a_k (x - x0)  / steps
 
-    Options: ``steps`` (64), ``baseline`` (``None`` = zeros; or an array
-    broadcastable to one input) and ``steps_per_pass`` (1: path points per
+    Options: ``steps`` (64), ``baseline`` (``None`` = zeros; an array
+    broadcastable to one example; for several differentiated inputs a dict
+    ``{name: array}`` or a tuple, one per input, ``None`` entries being
+    zeros; with ``layer=``, it lives in that layer's output space) and ``steps_per_pass`` (1: path points per
     gradient evaluation, as SmoothGrad's ``samples_per_pass``).
     Completeness: ``sum(map) ~= score(x) - score(baseline)`` up to the
     trapezoid error, which falls as ``1 / steps**2`` for smooth models and is
@@ -259,30 +283,65 @@ class IntegratedGradients(SaliencyMethod):
         self.options["steps_per_pass"] = min(
             _checks.positive_int(self.options["steps_per_pass"], "integrated_gradients steps_per_pass"), steps + 1
         )
-        if self.options["baseline"] is not None:
-            self.options["baseline"] = np.asarray(self.options["baseline"], dtype="float32")
+        baseline = self.options["baseline"]
+        if baseline is not None and not isinstance(baseline, (dict, tuple, list)):
+            self.options["baseline"] = np.asarray(baseline, dtype="float32")
 
     def config(self) -> dict:
         config = super().config()
         del config["steps_per_pass"]  # how, not what: a resume may change it
         return config
 
-    def attribute(self, score_fn, x, row_offset):
-        steps = self.options["steps"]
+    def for_tensors(self, names):
         baseline = self.options["baseline"]
-        baseline = tf.zeros_like(x) if baseline is None else tf.broadcast_to(tf.cast(baseline, x.dtype), tf.shape(x))
-        delta = x - baseline
-        extra = [1] * (x.shape.rank - 1)
+        bound = copy.copy(self)
+        if baseline is None or isinstance(baseline, np.ndarray):
+            if baseline is not None and len(names) > 1:
+                raise ValueError(
+                    f"integrated_gradients baseline: the model has several differentiated inputs ({', '.join(names)}); "
+                    "pass a dict {name: array} (or a tuple, one per input; None for zeros)."
+                )
+            bound.baselines = [baseline] * len(names)
+            return bound
+        if isinstance(baseline, dict):
+            unknown = sorted(set(map(str, baseline)) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"integrated_gradients baseline names {unknown}, which are not differentiated inputs "
+                    f"({', '.join(names)}); give a baseline per input name (missing ones are zeros)."
+                )
+            values = [baseline.get(n) for n in names]
+        else:
+            if len(baseline) != len(names):
+                raise ValueError(
+                    f"integrated_gradients baseline has {len(baseline)} entries but {len(names)} inputs are "
+                    f"differentiated ({', '.join(names)}); give one per differentiated input (None for zeros)."
+                )
+            values = list(baseline)
+        bound.baselines = [None if b is None else np.asarray(b, "float32") for b in values]
+        return bound
+
+    def attribute(self, score_fn, xs, row_offset):
+        steps = self.options["steps"]
+        baselines = getattr(self, "baselines", [self.options["baseline"]] * len(xs))
+        starts = [
+            tf.zeros_like(x) if b is None else tf.broadcast_to(tf.cast(b, x.dtype), tf.shape(x))
+            for x, b in zip(xs, baselines)
+        ]
+        deltas = [x - x0 for x, x0 in zip(xs, starts)]
 
         def point(ks):
-            alpha = tf.reshape(tf.cast(ks, x.dtype) / steps, [-1, 1, *extra])
-            return baseline[None] + alpha * delta[None]
+            points = []
+            for x, x0, delta in zip(xs, starts, deltas):
+                alpha = tf.reshape(tf.cast(ks, x.dtype) / steps, [-1] + [1] * x.shape.rank)
+                points.append(x0[None] + alpha * delta[None])
+            return points
 
         def weight(ks):
             return tf.where((ks == 0) | (ks == steps), 0.5, 1.0)  # trapezoid rule
 
-        total = weighted_gradient_sum(score_fn, x, steps + 1, self.options["steps_per_pass"], point, weight)
-        return delta * total / steps
+        total = weighted_gradient_sum(score_fn, xs, steps + 1, self.options["steps_per_pass"], point, weight)
+        return [delta * t / steps for delta, t in zip(deltas, total)]
 
 
 METHODS = {cls.name: cls for cls in (Gradient, GradientXInput, SmoothGrad, IntegratedGradients)}

@@ -7,17 +7,20 @@ computed and no output is touched: every user error surfaces here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import re
 import zlib
 
 import numpy as np
 import tensorflow as tf
 
-from effgrad import _checks
+from effgrad import _checks, _compat
 from effgrad.explain import methods as methods_lib
 from effgrad.explain import reductions, targets
-from effgrad.explain.inputs import Source, as_source
+from effgrad.explain import wrt as wrt_lib
+from effgrad.explain.inputs import Source, as_source, leaf_names
 from effgrad.explain.job import SaliencyJob, cached_job
 
 __all__ = ["SaliencyPlan", "prepare", "weights_checksum"]
@@ -31,7 +34,9 @@ class SaliencyPlan:
         job: The compiled batch function.
         source: The inputs, as batches.
         target: The resolved target (per-example indices included).
-        map_shape: Shape of one example's (reduced) map.
+        names: The name of each differentiated tensor (``leaf_names``; the
+            layer's name with ``layer=``; ``""`` for a lone input array).
+        map_shapes: Shape of one example's (reduced) map, per differentiated tensor.
         dtype: The maps' NumPy dtype.
         config: JSON-able identity of the run (what a resume must match; the
             weights' checksum is added only for a file output, which needs it).
@@ -40,13 +45,18 @@ class SaliencyPlan:
     job: SaliencyJob
     source: Source
     target: targets.Target
-    map_shape: tuple
+    names: list
+    map_shapes: list
     dtype: np.dtype
     config: dict
 
     @property
     def num_examples(self) -> int | None:
         return self.source.num_examples
+
+    def pack(self, maps: list):
+        """Per-tensor results in the caller's nest (a lone array for one input or a layer)."""
+        return self.job.wrt.pack(maps)
 
 
 def prepare(
@@ -60,6 +70,8 @@ def prepare(
     dtype="float32",
     num_examples: int | None = None,
     strategy: tf.distribute.Strategy | None = None,
+    layer=None,
+    output=None,
     **method_options,
 ) -> SaliencyPlan:
     """Validates a saliency run and builds its job (see :func:`effgrad.saliency` for the arguments)."""
@@ -68,17 +80,21 @@ def prepare(
     batch_size = _checks.positive_int(batch_size, "batch_size")
     if np.dtype(dtype) not in (np.float32, np.float16):
         raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}.")
-    source = as_source(inputs, batch_size, num_examples)
-    if not source.dtype.is_floating:
-        raise TypeError(
-            f"Input gradients need float inputs, but the inputs are {source.dtype.name}. For token ids or "
-            "other integer inputs, explain the float embeddings instead (a model that takes embedding "
-            "vectors as input), or cast the inputs if they are really continuous."
-        )
-    target = targets.resolve(target, model, source.sample, source.num_examples)
+    model_inputs = list(getattr(model, "inputs", None) or [])
+    source = as_source(inputs, batch_size, num_examples, several_inputs=len(model_inputs) > 1)
+    _check_batched(model, inputs, source)
+    outputs_fn = targets.outputs_function(model, output)
+    with _model_errors(source):
+        if layer is not None:
+            layer = wrt_lib.find_layer(model, layer)
+            wrt = wrt_lib.LayerOutput(outputs_fn, layer, source)
+        else:
+            wrt = wrt_lib.InputLeaves(outputs_fn, source)
+        target = targets.resolve(target, outputs_fn, source.sample, source.num_examples)
     if source.num_examples is None and target.indices is not None:
         source = dataclasses.replace(source, num_examples=len(target.indices))  # the target array tells the length
-    map_shape = reductions.reduced_shape(source.example_shape, reduce)
+    method = method.for_tensors(wrt.names)
+    map_shapes = [reductions.reduced_shape(shape, reduce) for shape in wrt.shapes]
     method_config = method.config()
     per_pass = {k: v for k, v in method.options.items() if k.endswith("_per_pass")}  # not in config(): how, not what
     key = (
@@ -86,24 +102,81 @@ def prepare(
         reduce,
         target.job_key(),
         np.dtype(dtype).str,
-        source.example_shape,
-        source.dtype.name,
+        repr(source.spec),
+        id(layer),
+        output,
         id(strategy),
     )
     job = cached_job(
         model,
         key,
-        lambda: SaliencyJob(model, method, reduce, target, dtype, source.example_shape, source.dtype, strategy),
+        lambda: SaliencyJob(model, wrt, method, reduce, target, dtype, source.spec, strategy),
     )
     config = {
         **method_config,
         "reduce": reduce,
         "dtype": np.dtype(dtype).name,
         "batch_size": batch_size,
-        "shape": [source.num_examples, *map_shape],
+        "shape": [source.num_examples, *map_shapes[0]]
+        if len(map_shapes) == 1
+        else {name: [source.num_examples, *shape] for name, shape in zip(wrt.names, map_shapes)},
         "target": target.identity(),
     }
-    return SaliencyPlan(job, source, target, map_shape, np.dtype(dtype), config)
+    if layer is not None:
+        config["layer"] = layer.name
+    if output is not None:
+        config["output"] = output
+    return SaliencyPlan(job, source, target, wrt.names, map_shapes, np.dtype(dtype), config)
+
+
+def _check_batched(model, inputs, source: Source) -> None:
+    """A clear error for an unbatched dataset or a single example without its batch axis."""
+    graph = _compat.functional_graph(model)
+    if graph is None:
+        return  # a subclassed model: its input shapes are unknown before it runs
+    expected = graph[1]
+    if isinstance(expected, (list, tuple)) and len(expected) == 1:
+        expected = expected[0]
+    if isinstance(source.spec, dict) and isinstance(expected, (list, tuple)):
+        expected = {t.name: t for t in expected}  # Keras matches a dict by input name
+    try:
+        pairs = list(zip(tf.nest.flatten(source.spec), tf.nest.flatten(expected)))
+        tf.nest.assert_same_structure(source.spec, expected)
+    except (ValueError, TypeError):
+        return  # another nesting: the model's own error (made readable by _model_errors) will tell
+    for got, want in pairs:
+        want_shape = tuple(want.shape)
+        if want_shape and got.shape.rank == len(want_shape) - 1:
+            if isinstance(inputs, tf.data.Dataset):
+                raise ValueError(
+                    f"The dataset is not batched: its elements lack the batch axis of the model's inputs "
+                    f"{want_shape}. Batch it first: dataset.batch(64)."
+                )
+            raise ValueError(
+                f"The inputs have one axis too few: the model takes batches of shape {want_shape}. A single "
+                "example without its batch axis? Add one: x[None] (or np.expand_dims(x, 0))."
+            )
+
+
+@contextlib.contextmanager
+def _model_errors(source: Source):
+    """The model's own errors on the probe example, readable (Keras colours them for a terminal)."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        if not _from_model(err):
+            raise
+        shapes = {name or "inputs": tuple(s.shape) for name, s in zip(leaf_names(source.spec), source.leaves)}
+        message = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
+        raise ValueError(f"The model cannot run on the inputs (batches of {shapes}): {' '.join(message[:4])}") from None
+
+
+def _from_model(err: BaseException) -> bool:
+    """Whether an exception was raised inside Keras or TensorFlow (not by effgrad's own checks)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "effgrad" not in tb.tb_frame.f_code.co_filename
 
 
 def weights_checksum(model) -> str:

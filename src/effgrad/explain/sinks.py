@@ -42,7 +42,7 @@ try:
 except ImportError:  # Windows: no advisory locks; one writer per output is then the caller's duty
     fcntl = None
 
-__all__ = ["Sink", "ArraySink", "GrowingArraySink", "NpyFileSink", "journal_path", "release_rows"]
+__all__ = ["Sink", "ArraySink", "GrowingArraySink", "NpyFileSink", "SinkGroup", "journal_path", "release_rows"]
 
 
 @runtime_checkable
@@ -60,7 +60,8 @@ class Sink(Protocol):
     complete: bool
 
     def write(self, start: int, maps, targets) -> None:
-        """Rows ``[start, start + len(maps))``; ``maps``/``targets`` are device tensors."""
+        """Rows ``[start, start + B)`` of each map (the engine passes a tuple: one per
+        differentiated tensor); ``maps``/``targets`` are device tensors."""
 
     def commit(self, rows: int, input_crc: int) -> None:
         """Rows ``[0, rows)`` are written: make them durable."""
@@ -347,6 +348,57 @@ class NpyFileSink:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, journal)  # atomic: the journal is always whole
+
+
+class SinkGroup:
+    """One sink per differentiated tensor (a model's several inputs), driven as one :class:`Sink`.
+
+    Each member commits on its own (each ``.npy`` has its own journal), so a
+    kill can leave them at different rows: the group resumes from the
+    fewest, and the others rewrite rows they already hold (the same values:
+    rows are a pure function of the inputs).
+    """
+
+    def __init__(self, sinks: list, pack):
+        self.sinks, self.pack = sinks, pack
+
+    @property
+    def committed(self) -> int:
+        return min(s.committed for s in self.sinks)
+
+    @property
+    def input_crc(self) -> int | None:
+        return min(self.sinks, key=lambda s: s.committed).input_crc
+
+    @property
+    def complete(self) -> bool:
+        return all(s.complete for s in self.sinks)
+
+    def write(self, start: int, maps: tuple, targets) -> None:
+        for sink, m in zip(self.sinks, maps):
+            sink.write(start, m, targets)
+
+    def commit(self, rows: int, input_crc: int = 0) -> None:
+        for sink in self.sinks:
+            sink.commit(rows, input_crc)
+
+    def finish(self, rows: int, input_crc: int = 0) -> None:
+        for sink in self.sinks:
+            sink.finish(rows, input_crc)
+
+    def close(self, failed: bool) -> None:
+        errors = []
+        for sink in self.sinks:  # every one, whatever the others do
+            try:
+                sink.close(failed)
+            except BaseException as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    @property
+    def result(self):
+        return self.pack([s.result for s in self.sinks])
 
 
 class _OutputLock:

@@ -55,6 +55,7 @@ class _StatisticsSink:
         self.states[key] = state.update(maps, axis=0)
 
     def write(self, start, maps, targets) -> None:
+        (maps,) = maps  # one differentiated tensor (checked by saliency_summary)
         maps = tf.cast(maps, tf.float32)
         if not self.by_class:
             self._update("all", maps)
@@ -104,6 +105,11 @@ def saliency_summary(model, inputs, *, by_class: bool = True, **saliency_options
             raise TypeError(f"saliency_summary keeps no per-example maps; it takes no {name!r} option.")
     progress = saliency_options.pop("progress", True)
     plan = prepare(model, inputs, **saliency_options)
-    sink = _StatisticsSink(plan.map_shape, by_class)
+    if len(plan.names) > 1:
+        raise ValueError(
+            f"saliency_summary summarizes the maps of one tensor, but {len(plan.names)} inputs are differentiated "
+            f"({', '.join(plan.names)}); pass layer= to summarize one layer's maps, or call effgrad.saliency."
+        )
+    sink = _StatisticsSink(plan.map_shapes[0], by_class)
     stream(plan, sink, progress)
     return sink.result

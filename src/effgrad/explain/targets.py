@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["TargetMode", "Target", "resolve", "output_units", "score_function"]
+__all__ = ["TargetMode", "Target", "resolve", "outputs_function", "output_units", "score_function"]
 
 
 class TargetMode(enum.Enum):
@@ -67,22 +67,54 @@ class Target:
         return (self.mode.value, int(self.value) if self.mode is TargetMode.FIXED else None)
 
 
-def output_units(model, sample) -> int:
-    """Number of output units of a single-output model (probed on one example)."""
-    outputs = model(tf.convert_to_tensor(sample), training=False)
+def outputs_function(model, output=None):
+    """``fn(inputs) -> outputs`` of ``model`` in inference mode, or of its output ``output``
+    (a name or an index) when it has several; checked by :func:`resolve`."""
+    if output is None:
+        return lambda inputs: model(inputs, training=False)
+    if isinstance(output, bool) or not isinstance(output, (int, np.integer, str)):
+        raise TypeError(f"output must be an output's name or index, got {output!r}.")
+
+    def select(inputs):
+        outputs = model(inputs, training=False)
+        return _pick(outputs, output, list(getattr(model, "output_names", None) or []))
+
+    return select
+
+
+def _pick(outputs, output, names: list):
+    if isinstance(outputs, dict):
+        keys = list(outputs)
+        key = output if isinstance(output, str) else (keys[output] if -len(keys) <= output < len(keys) else None)
+        if key in outputs:
+            return outputs[key]
+        valid = keys
+    else:
+        flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        names = names if len(names) == len(flat) else []
+        index = names.index(output) if output in names else output
+        if isinstance(index, (int, np.integer)) and -len(flat) <= index < len(flat):
+            return flat[index]
+        valid = names or list(range(len(flat)))
+    raise ValueError(f"The model has no output {output!r}; its outputs are {', '.join(map(repr, valid))}.")
+
+
+def output_units(outputs_fn, sample) -> int:
+    """Number of output units of the explained output (probed on one example)."""
+    outputs = outputs_fn(tf.nest.map_structure(tf.convert_to_tensor, sample))
     if not tf.is_tensor(outputs):
         raise ValueError(
-            "The model has several outputs; pass target=callable(outputs) -> [batch] scores to say "
-            "which one to explain."
+            "The model has several outputs; say which one to explain with output=NAME_OR_INDEX "
+            "(--output on the command line), or pass target=callable(outputs) -> [batch] scores."
         )
     return int(np.prod(outputs.shape[1:])) if outputs.shape.rank > 1 else 1
 
 
-def resolve(target, model, sample, num_examples: int | None) -> Target:
-    """Checks ``target`` against the model's outputs; raises before any work."""
+def resolve(target, outputs_fn, sample, num_examples: int | None) -> Target:
+    """Checks ``target`` against the explained outputs; raises before any work."""
     if callable(target):
         return Target(TargetMode.CALLABLE, target)
-    units = output_units(model, sample)
+    units = output_units(outputs_fn, sample)
     if target is None:
         return Target(TargetMode.ARGMAX)
     if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
@@ -102,20 +134,22 @@ def resolve(target, model, sample, num_examples: int | None) -> Target:
     return Target(TargetMode.PER_EXAMPLE, indices=np.ascontiguousarray(indices, dtype="int32"))
 
 
-def score_function(model, target: Target, indices, chosen: list | None = None):
-    """``score_fn(x) -> [rows]``: each row's target output.
+def score_function(forward, target: Target, indices, chosen: list | None = None):
+    """``score_fn(points) -> [rows]``: each row's target output.
 
-    ``indices`` are the batch's target units (``[B]``); ``x`` may hold several
-    copies of the batch stacked along rows (noise samples, path points), and
-    the indices repeat with them. With ``indices=None`` the target is the
-    arg-max of this same (differentiated) forward pass, appended to ``chosen``.
+    ``forward(points)`` runs the model on the differentiated tensors
+    ``points`` (see :mod:`effgrad.explain.wrt`), which may hold several copies
+    of the batch stacked along rows (noise samples, path points); ``indices``
+    (the batch's target units, ``[B]``) repeat with them. With
+    ``indices=None`` the target is the arg-max of this same (differentiated)
+    forward pass, appended to ``chosen``.
     """
 
-    def score_fn(x):
-        outputs = model(x, training=False)
+    def score_fn(points):
+        outputs = forward(points)
         if target.mode is TargetMode.CALLABLE:
             return target.value(outputs)
-        rows = tf.shape(x)[0]
+        rows = tf.shape(outputs)[0]
         flat = tf.reshape(tf.cast(outputs, tf.float32), [rows, -1])
         if indices is None:
             units = tf.stop_gradient(tf.cast(tf.argmax(flat, axis=-1), tf.int32))  # 0 for one output unit
