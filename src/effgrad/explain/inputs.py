@@ -29,7 +29,7 @@ import tensorflow as tf
 from effgrad import _checks
 from effgrad.explain.sinks import release_rows
 
-__all__ = ["Source", "as_source", "leaf_names"]
+__all__ = ["Source", "as_source", "spec_of", "leaf_names"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,24 @@ def _with_known_shapes(spec, sample):
         spec,
         sample,
     )
+
+
+def _is_nest_of_arrays(inputs, several_inputs: bool) -> bool:
+    return isinstance(inputs, dict) or (
+        several_inputs
+        and isinstance(inputs, (tuple, list))
+        and len(inputs) > 0
+        and all(map(_is_array, tf.nest.flatten(inputs)))
+    )
+
+
+def spec_of(inputs, several_inputs: bool = False):
+    """The nest of ``TensorSpec`` of arrays or a dataset, read without taking a batch; ``None`` for iterables."""
+    if _is_array(inputs) or _is_nest_of_arrays(inputs, several_inputs):
+        return _spec(inputs, "inputs")
+    if isinstance(inputs, tf.data.Dataset):
+        return _spec(_x_of(inputs.element_spec), "The dataset's elements (batches)")
+    return None
 
 
 def as_source(inputs, batch_size: int, num_examples: int | None = None, *, several_inputs: bool = False) -> Source:

@@ -20,7 +20,7 @@ from effgrad import _checks, _compat
 from effgrad.explain import methods as methods_lib
 from effgrad.explain import reductions, targets
 from effgrad.explain import wrt as wrt_lib
-from effgrad.explain.inputs import Source, as_source, leaf_names
+from effgrad.explain.inputs import Source, as_source, leaf_names, spec_of
 from effgrad.explain.job import SaliencyJob, cached_job
 
 __all__ = ["SaliencyPlan", "prepare", "weights_checksum"]
@@ -81,8 +81,9 @@ def prepare(
     if np.dtype(dtype) not in (np.float32, np.float16):
         raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}.")
     model_inputs = list(getattr(model, "inputs", None) or [])
-    source = as_source(inputs, batch_size, num_examples, several_inputs=len(model_inputs) > 1)
-    _check_batched(model, inputs, source)
+    several = len(model_inputs) > 1
+    _check_batched(model, inputs, spec_of(inputs, several))
+    source = as_source(inputs, batch_size, num_examples, several_inputs=several)
     outputs_fn = targets.outputs_function(model, output)
     with _model_errors(source):
         if layer is not None:
@@ -129,19 +130,19 @@ def prepare(
     return SaliencyPlan(job, source, target, wrt.names, map_shapes, np.dtype(dtype), config)
 
 
-def _check_batched(model, inputs, source: Source) -> None:
+def _check_batched(model, inputs, spec) -> None:
     """A clear error for an unbatched dataset or a single example without its batch axis."""
     graph = _compat.functional_graph(model)
-    if graph is None:
+    if graph is None or spec is None:
         return  # a subclassed model: its input shapes are unknown before it runs
     expected = graph[1]
     if isinstance(expected, (list, tuple)) and len(expected) == 1:
         expected = expected[0]
-    if isinstance(source.spec, dict) and isinstance(expected, (list, tuple)):
+    if isinstance(spec, dict) and isinstance(expected, (list, tuple)):
         expected = {t.name: t for t in expected}  # Keras matches a dict by input name
     try:
-        pairs = list(zip(tf.nest.flatten(source.spec), tf.nest.flatten(expected)))
-        tf.nest.assert_same_structure(source.spec, expected)
+        pairs = list(zip(tf.nest.flatten(spec), tf.nest.flatten(expected)))
+        tf.nest.assert_same_structure(spec, expected)
     except (ValueError, TypeError):
         return  # another nesting: the model's own error (made readable by _model_errors) will tell
     for got, want in pairs:

@@ -27,6 +27,7 @@ Trap:
 from __future__ import annotations
 
 import contextlib
+import difflib
 
 import tensorflow as tf
 
@@ -191,9 +192,15 @@ def find_layer(model, layer):
     elif isinstance(layer, str):
         matches = [candidate for candidate in layers if candidate.name == layer]
         if not matches:
-            names = [candidate.name for candidate in layers if not isinstance(candidate, keras.layers.InputLayer)]
-            shown = ", ".join(names[:30]) + (", ..." if len(names) > 30 else "")
-            raise ValueError(f"The model has no layer named {layer!r}. Its layers: {shown}.")
+            names = list(dict.fromkeys(c.name for c in layers if not isinstance(c, keras.layers.InputLayer)))
+            close = difflib.get_close_matches(layer, names, n=3)
+            embeddings = [c.name for c in layers if isinstance(c, keras.layers.Embedding)]
+            raise ValueError(
+                f"The model has no layer named {layer!r}."
+                + (f" Did you mean {' or '.join(map(repr, close))}?" if close else "")
+                + (f" Its embedding layers (token attribution): {', '.join(embeddings)}." if embeddings else "")
+                + f" Its layers: {', '.join(names[:40])}{', ...' if len(names) > 40 else ''}."
+            )
         if len(matches) > 1:
             raise ValueError(f"Several layers are named {layer!r} (in nested models); pass the layer object itself.")
         found = matches[0]

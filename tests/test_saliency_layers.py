@@ -1,0 +1,150 @@
+"""layer=: maps at a layer's output (token attribution for keras_hub text models), checked without effgrad.
+
+The independent reference: when every token id of a batch is distinct, the
+gradient of the score with respect to the embedding output at position t is
+row ``ids[t]`` of the gradient with respect to the embedding *matrix*, which a
+plain tape gives. Zeroing that matrix runs the model at IG's zero baseline.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+
+V, T, B = 400, 12, 4
+
+
+def _bert(seed=0):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=T
+    )
+    return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+
+
+def _gpt2_classifier(seed=0):
+    """keras_hub has no GPT-2 classifier: a GPT2Backbone, mean-pooled over the unpadded tokens, and a head."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=T
+    )
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    mask = keras.Input((None,), dtype="int32", name="padding_mask")
+    hidden = backbone({"token_ids": ids, "padding_mask": mask})
+    weights = keras.ops.cast(mask, "float32")[..., None]
+    pooled = keras.ops.sum(hidden * weights, axis=1) / keras.ops.sum(weights, axis=1)
+    return keras.Model({"token_ids": ids, "padding_mask": mask}, keras.layers.Dense(3)(pooled)), backbone
+
+
+def _tokens(rng, segment_ids=True):
+    ids = rng.permutation(np.arange(1, V))[: B * T].reshape(B, T).astype("int32")  # all distinct
+    mask = np.ones((B, T), "int32")
+    mask[0, 8:] = 0
+    mask[2, 5:] = 0
+    x = {"token_ids": ids, "padding_mask": mask}
+    if segment_ids:
+        x["segment_ids"] = np.zeros((B, T), "int32")
+    return x
+
+
+def _embedding_rows_gradient(model, embedding, x, unit):
+    """d score / d (embedding output) through the embedding matrix: row ids[b, t] per position."""
+    with tf.GradientTape() as tape:
+        score = tf.reduce_sum(model(x, training=False)[:, unit])
+    return tf.convert_to_tensor(tape.gradient(score, embedding.embeddings)).numpy()[x["token_ids"]]
+
+
+def _at_zero_embedding(model, embedding, x, unit):
+    saved = embedding.embeddings.numpy()
+    embedding.embeddings.assign(np.zeros_like(saved))
+    try:
+        return model(x, training=False)[:, unit].numpy()
+    finally:
+        embedding.embeddings.assign(saved)
+
+
+@pytest.fixture(params=["bert", "gpt2"])
+def text_model(request, rng):
+    if request.param == "bert":
+        model = _bert()
+        return model, model.backbone.get_layer("token_embedding"), _tokens(rng)
+    model, backbone = _gpt2_classifier()
+    return model, backbone.get_layer("token_embedding"), _tokens(rng, segment_ids=False)
+
+
+def test_gradient_at_the_token_embedding_equals_a_tape_on_the_embedding_output(text_model):
+    model, embedding, x = text_model
+    maps = effgrad.saliency(model, x, layer="token_embedding", target=1, batch_size=3, progress=False)
+    assert maps.shape == (B, T, 16)
+    expected = _embedding_rows_gradient(model, embedding, x, unit=1)
+    np.testing.assert_allclose(maps, expected, rtol=1e-4, atol=1e-6)
+    assert np.abs(maps[x["padding_mask"] == 1]).sum(-1).min() > 0
+    np.testing.assert_allclose(maps[x["padding_mask"] == 0], 0.0, atol=1e-7)  # the padding mask reached the model
+    by_object = effgrad.saliency(model, x, layer=embedding, target=1, batch_size=3, progress=False)
+    np.testing.assert_array_equal(by_object, maps)
+
+
+def test_integrated_gradients_complete_at_the_layer(text_model):
+    model, embedding, x = text_model
+    ig = effgrad.saliency(model, x, layer="token_embedding", method="integrated_gradients", steps=64, target=0)
+    gap = model(x, training=False)[:, 0].numpy() - _at_zero_embedding(model, embedding, x, unit=0)
+    assert np.abs(gap).min() > 1e-5  # the check below is not 0 == 0
+    np.testing.assert_allclose(ig.reshape(B, -1).sum(1), gap, rtol=0.01, atol=1e-6)
+
+
+def test_every_method_works_at_a_layer_and_reduces_to_one_score_per_token(rng):
+    model = _bert()
+    x = _tokens(rng)
+    plain = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
+    per_token = effgrad.saliency(model, x, layer="token_embedding", target=2, reduce="sum", progress=False)
+    np.testing.assert_allclose(per_token, plain.sum(-1), rtol=1e-5, atol=1e-7)
+    noiseless = effgrad.saliency(
+        model, x, layer="token_embedding", method="smoothgrad", samples=3, noise=0.0, target=2, progress=False
+    )
+    np.testing.assert_allclose(noiseless, plain, rtol=1e-5, atol=1e-7)
+    times_input = effgrad.saliency(model, x, layer="token_embedding", method="gradient_x_input", target=2)
+    embedded = model.backbone.get_layer("token_embedding")(x["token_ids"]).numpy()
+    np.testing.assert_allclose(times_input, embedded * plain, rtol=1e-5, atol=1e-7)
+    ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(B, "int32"))).batch(3)  # (x, y) with x a dict of ints
+    np.testing.assert_allclose(
+        effgrad.saliency(model, ds, layer="token_embedding", target=2, progress=False), plain, rtol=1e-5, atol=1e-7
+    )
+    noisy = effgrad.saliency(model, x, layer="token_embedding", method="smoothgrad", samples=3, noise=0.2, target=2)
+    assert np.abs(noisy - plain).max() > 1e-4  # the noise is added in the layer's output space
+
+
+def test_layer_maps_shard_across_replicas(strategy, rng):
+    model = _bert()
+    x = _tokens(rng)
+    alone = effgrad.saliency(model, x, layer="token_embedding", progress=False)
+    sharded = effgrad.saliency(model, x, layer="token_embedding", strategy=strategy, progress=False)
+    np.testing.assert_allclose(sharded, alone, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_layers_are_refused_before_any_work(tmp_path, rng):
+    model = _bert()
+    x = _tokens(rng)
+    with pytest.raises(ValueError, match="no layer named 'token_embeddings'.*token_embedding"):
+        effgrad.saliency(model, x, layer="token_embeddings", out=tmp_path / "m.npy", progress=False)
+    with pytest.raises(ValueError, match="not a layer of this model"):
+        effgrad.saliency(model, x, layer=keras.layers.Dense(2), progress=False)
+    with pytest.raises(ValueError, match="is an input"):
+        effgrad.saliency(model, x, layer="token_ids", progress=False)
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(4, name="shared")
+    inputs = keras.Input((4,))
+    twice = keras.Model(inputs, shared(shared(inputs)))
+    with pytest.raises(ValueError, match="runs 2 times"):
+        effgrad.saliency(twice, np.ones((2, 4), "float32"), layer="shared", progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_resume_with_another_layer_is_refused(tmp_path, rng):
+    model = _bert()
+    x = _tokens(rng)
+    effgrad.saliency(model, x, layer="token_embedding", reduce="l2", out=tmp_path / "m.npy", progress=False)
+    with pytest.raises(ValueError, match="layer"):
+        effgrad.saliency(model, x, layer="position_embedding", reduce="l2", out=tmp_path / "m.npy", resume=True)
