@@ -20,6 +20,7 @@ SUITES = [
     "distributed",
     "saliency",
     "saliency_methods",
+    "token_attribution",
     "planning",
 ]
 

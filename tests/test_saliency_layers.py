@@ -148,3 +148,14 @@ def test_resume_with_another_layer_is_refused(tmp_path, rng):
     effgrad.saliency(model, x, layer="token_embedding", reduce="l2", out=tmp_path / "m.npy", progress=False)
     with pytest.raises(ValueError, match="layer"):
         effgrad.saliency(model, x, layer="position_embedding", reduce="l2", out=tmp_path / "m.npy", resume=True)
+
+
+def test_token_scores_picture(tmp_path, rng):
+    from effgrad.explain import visualize
+
+    model = _bert()
+    x = _tokens(rng)
+    scores = effgrad.saliency(model, x, layer="token_embedding", reduce="l2", progress=False)
+    words = [[f"w{i}" for i in row] for row in x["token_ids"]]
+    path = visualize.save_tokens(tmp_path / "tokens.png", words, scores, mask=x["padding_mask"])
+    assert path.read_bytes()[:4] == b"\x89PNG"

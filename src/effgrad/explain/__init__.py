@@ -2,7 +2,8 @@
 
 `effgrad.saliency` (api.py) and `effgrad.saliency_summary` (summary.py) are
 the entry points. Inside: inputs.py (every kind of input as batches),
-targets.py (what is explained), methods.py (one class per method),
+targets.py (what is explained), wrt.py (what is differentiated: the float
+inputs, or a layer's output), methods.py (one class per method),
 reductions.py, job.py (the compiled batch function), plan.py (a run checked
 before any work), sinks.py (where maps go), engine.py (the streaming loop),
 visualize.py (pictures).

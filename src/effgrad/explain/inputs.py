@@ -112,11 +112,15 @@ def _with_known_shapes(spec, sample):
 
 
 def _is_nest_of_arrays(inputs, several_inputs: bool) -> bool:
-    return isinstance(inputs, dict) or (
+    """A dict of arrays, or (for a model with several inputs) a tuple/list of arrays: one nest of inputs.
+    A list of tuples is a list of batches."""
+    if isinstance(inputs, dict):
+        return True
+    return (
         several_inputs
         and isinstance(inputs, (tuple, list))
         and len(inputs) > 0
-        and all(map(_is_array, tf.nest.flatten(inputs)))
+        and all(_is_array(e) or (isinstance(e, dict) and all(map(_is_array, tf.nest.flatten(e)))) for e in inputs)
     )
 
 

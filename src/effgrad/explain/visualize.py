@@ -1,4 +1,4 @@
-"""Pictures of saliency maps: percentile-clipped images and PNG grids.
+"""Pictures of saliency maps: percentile-clipped images, PNG grids, token heat lines.
 
 ``grayscale`` follows PAIR saliency's ``VisualizeImageGrayscale``: sum of
 absolute values over channels, clipped at the 99th percentile, scaled to
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["grayscale", "diverging", "save_grid"]
+__all__ = ["grayscale", "diverging", "save_grid", "save_tokens"]
 
 
 def _per_pixel(saliency_map: np.ndarray, channel_axis: bool) -> np.ndarray:
@@ -44,6 +44,61 @@ def diverging(saliency_map: np.ndarray, percentile: float = 99, channels: bool |
     return np.clip(m / top, -1, 1) if top > 0 else np.zeros_like(m)
 
 
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("effgrad draws with matplotlib: pip install 'effgrad[demo]'") from err
+    return plt
+
+
+def save_tokens(path, tokens, scores, *, mask=None, signed: bool = False, percentile: float = 99) -> Path:
+    """Writes a PNG of each example's tokens on a background coloured by its score (needs matplotlib).
+
+    Example:
+        >>> scores = effgrad.saliency(classifier, inputs, layer="token_embedding", reduce="l2")
+        >>> words = [tokenizer.id_to_token(i) for i in ...]  # one list of strings per example
+        >>> visualize.save_tokens("tokens.png", words, scores, mask=inputs["padding_mask"])
+
+    Args:
+        path: Output ``.png`` path.
+        tokens: ``[n][T]`` token strings (lists, or an array of str).
+        scores: ``[n, T]`` per-token scores (``reduce="l2"``/``"sum"`` at the embedding).
+        mask: Optional ``[n, T]``: tokens where it is 0 (padding) are not drawn.
+        signed: Diverging colours (``reduce="sum"`` keeps a sign) instead of one hue.
+        percentile: Scores are scaled by this percentile of ``|scores|`` over all examples.
+    """
+    plt = _pyplot()
+    scores = np.asarray(scores, dtype="float32")
+    keep = np.ones(scores.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+    top = np.percentile(np.abs(scores[keep]), percentile) if keep.any() else 0.0
+    scaled = np.clip(scores / top, -1, 1) if top > 0 else np.zeros_like(scores)
+    cmap = plt.get_cmap("bwr" if signed else "Reds")
+    lines = [
+        [(str(t), v) for t, v, k in zip(row, values, kept) if k] for row, values, kept in zip(tokens, scaled, keep)
+    ]
+    width = max((sum(len(t) + 1 for t, _ in line) for line in lines), default=1)
+    fig = plt.figure(figsize=(min(0.11 * width + 0.4, 30), 0.32 * len(lines) + 0.2))
+    ax = fig.add_axes([0, 0, 1, 1])
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(lines), 0)
+    ax.axis("off")
+    for r, line in enumerate(lines):
+        x = 0.0
+        for text, value in line:
+            colour = cmap((value + 1) / 2 if signed else value)
+            ax.text(x, r + 0.5, text, va="center", fontsize=9, family="monospace",
+                    bbox={"facecolor": colour, "edgecolor": "none", "pad": 1.5})  # fmt: skip
+            x += len(text) + 1
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def save_grid(path, images, maps, *, titles=None, columns: int = 4, signed: bool = False) -> Path:
     """Writes a PNG of inputs next to their maps (needs matplotlib).
 
@@ -55,13 +110,7 @@ def save_grid(path, images, maps, *, titles=None, columns: int = 4, signed: bool
         columns: Examples per row (each takes two cells: input, map).
         signed: Diverging colour map (blue-white-red) instead of grayscale.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError("save_grid draws with matplotlib: pip install 'effgrad[demo]'") from err
+    plt = _pyplot()
     images, maps = np.asarray(images), np.asarray(maps)
     n = len(images)
     rows = (n + columns - 1) // columns
