@@ -144,18 +144,15 @@ def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng):
         generator_fed.fit((b for b in [(x, y)]), verbose=0)
 
 
-def test_plan_command_prints_the_table_for_a_saved_model(tmp_path):
-    import os
-    import subprocess
-    import sys
+def test_plan_command_prints_the_table_for_a_saved_model(tmp_path, capfd):
+    from effgrad import cli  # in this process: a TensorFlow import per command would dominate the test
 
     model = _wide_mlp()
     model.compile(optimizer="adam", loss=_LOSS)
     model.save(tmp_path / "m.keras")
-    command = [sys.executable, "-m", "effgrad.cli", "plan", str(tmp_path / "m.keras"), "--batch-shape", "512,32"]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([*command, "--budget", "1GiB"], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "effgrad memory plan: batch 512" in done.stdout and "<- chosen" in done.stdout
-    bad = subprocess.run([*command, "--budget", "lots"], capture_output=True, text=True, timeout=300, env=env)
-    assert bad.returncode == 2 and "budget must be" in bad.stderr
+    command = ["plan", str(tmp_path / "m.keras"), "--batch-shape", "512,32"]
+    assert cli.main([*command, "--budget", "1GiB"]) == 0
+    out, err = capfd.readouterr()
+    assert "effgrad memory plan: batch 512" in out and "<- chosen" in out, err[-2000:]
+    assert cli.main([*command, "--budget", "lots"]) == 2
+    assert "budget must be" in capfd.readouterr().err

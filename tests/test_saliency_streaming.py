@@ -254,14 +254,13 @@ def test_progress_is_a_keras_progbar(capsys, x):
     assert capsys.readouterr() == ("", "")
 
 
-def test_cli_end_to_end(tmp_path, x):
+def test_cli_end_to_end(tmp_path, x, capfd):
+    from effgrad import cli
+
     model = _model()
     model.save(tmp_path / "m.keras")
     np.save(tmp_path / "x.npy", x)
-    command = [
-        sys.executable,
-        "-m",
-        "effgrad.cli",
+    arguments = [
         "saliency",
         str(tmp_path / "m.keras"),
         str(tmp_path / "x.npy"),
@@ -273,15 +272,16 @@ def test_cli_end_to_end(tmp_path, x):
         "16",
         "--no-progress",
     ]
+    # Once as users run it (its own process, the installed entry point's module); then in this process.
+    command = [sys.executable, "-m", "effgrad.cli", *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wrote" in done.stdout
     expected = effgrad.saliency(model, x, reduce="abs_max", batch_size=16, progress=False)
     np.testing.assert_allclose(np.load(tmp_path / "maps.npy"), expected, rtol=1e-6)
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "never overwrites" in again.stderr
-    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    capfd.readouterr()
+    assert cli.main(arguments) == 2 and "never overwrites" in capfd.readouterr().err
+    assert cli.main([*arguments, "--resume"]) == 0, capfd.readouterr().err[-2000:]
 
 
 # ---------------------------------------------------------------- resume identity and damaged files
