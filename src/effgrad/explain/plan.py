@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import zlib
 
@@ -172,12 +173,15 @@ def _model_errors(source: Source):
         raise ValueError(f"The model cannot run on the inputs (batches of {shapes}): {' '.join(message[:4])}") from None
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _from_model(err: BaseException) -> bool:
     """Whether an exception was raised inside Keras or TensorFlow (not by effgrad's own checks)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and "effgrad" not in tb.tb_frame.f_code.co_filename
+    return tb is not None and not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
 def weights_checksum(model) -> str:

@@ -74,11 +74,9 @@ class InputLeaves:
         return [flat[i] for i in self.indices]
 
     def forward(self, x, points):
-        flat = tf.nest.flatten(x)
         copies = _copies(x, points)
-        inputs = [_tile_rows(v, copies) for v in flat]
-        for i, point in zip(self.indices, points):
-            inputs[i] = point
+        replaced = dict(zip(self.indices, points))
+        inputs = [replaced[i] if i in replaced else _tile_rows(v, copies) for i, v in enumerate(tf.nest.flatten(x))]
         return self.outputs_fn(tf.nest.pack_sequence_as(x, inputs))
 
     def pack(self, maps: list):
