@@ -17,6 +17,7 @@ EXAMPLES = [
     effgrad.MemoryMonitor,
     effgrad.StaticLossScale,
     effgrad.DynamicLossScale,
+    effgrad.saliency_summary,
 ]
 
 

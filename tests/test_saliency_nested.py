@@ -136,6 +136,21 @@ def test_outputs_are_one_file_or_buffer_per_input(tmp_path, data):
     assert (tmp_path / "other.tabular.npy").read_bytes() == b"mine"
 
 
+def test_summary_statistics_per_input_equal_numpy(data):
+    model = _two_input_model()
+    maps = effgrad.saliency(model, data, reduce="abs_sum", progress=False)
+    classes = model(data).numpy().argmax(-1)
+    summary = effgrad.saliency_summary(model, data, reduce="abs_sum", batch_size=16, progress=False)
+    assert sorted(summary.count) == sorted(set(classes.tolist()))
+    for c, count in summary.count.items():
+        assert count == (classes == c).sum()
+        assert set(summary.mean[c]) == {"image", "tabular"}  # the inputs' nest, as saliency() returns maps
+        for name in ("image", "tabular"):
+            rows = maps[name][classes == c]
+            np.testing.assert_allclose(summary.mean[c][name], rows.mean(0), rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(summary.variance[c][name], rows.var(0), rtol=1e-3, atol=1e-7)
+
+
 def test_ig_baseline_per_input(data):
     model = _two_input_model()
     baseline = {"tabular": np.full(5, 0.5, "float32")}  # image: zeros

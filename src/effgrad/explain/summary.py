@@ -24,8 +24,10 @@ class SaliencySummary:
     """Per-class mean and variance maps.
 
     Attributes:
-        mean: ``{class: mean map}`` (NumPy arrays).
-        variance: ``{class: variance map}`` (population variance).
+        mean: ``{class: mean map}`` (NumPy arrays). With several
+            differentiated inputs each value is their nest, as
+            :func:`effgrad.saliency` returns maps (e.g. ``mean[3]["image"]``).
+        variance: ``{class: variance map}`` (population variance), nested alike.
         count: ``{class: number of examples}``.
 
     With ``by_class=False`` the only key is ``"all"``.
@@ -41,28 +43,28 @@ class _StatisticsSink:
 
     complete = False
 
-    def __init__(self, map_shape, by_class: bool):
+    def __init__(self, map_shapes, by_class: bool, pack):
         import tensorflow_probability as tfp  # lazy: a slow import effgrad itself does not need
 
         self._running = tfp.experimental.stats.RunningVariance
-        self.map_shape, self.by_class = map_shape, by_class
-        self.states: dict = {}
+        self.map_shapes, self.by_class, self.pack = map_shapes, by_class, pack
+        self.states: dict = {}  # {class: [running state of each differentiated tensor]}
         self.committed = 0
         self.input_crc = None  # never resumed
 
     def _update(self, key, maps):
-        state = self.states.get(key) or self._running.from_shape(self.map_shape, dtype=tf.float32)
-        self.states[key] = state.update(maps, axis=0)
+        states = self.states.get(key) or [self._running.from_shape(s, dtype=tf.float32) for s in self.map_shapes]
+        self.states[key] = [state.update(m, axis=0) for state, m in zip(states, maps)]
 
     def write(self, start, maps, targets) -> None:
-        (maps,) = maps  # one differentiated tensor (checked by saliency_summary)
-        maps = tf.cast(maps, tf.float32)
+        maps = [tf.cast(m, tf.float32) for m in maps]
         if not self.by_class:
             self._update("all", maps)
             return
         classes, _ = tf.unique(targets)
         for c in classes.numpy().tolist():
-            self._update(int(c), tf.boolean_mask(maps, tf.equal(targets, c)))
+            rows = tf.equal(targets, c)
+            self._update(int(c), [tf.boolean_mask(m, rows) for m in maps])
 
     def commit(self, rows: int, input_crc: int = 0) -> None:
         self.committed = rows
@@ -76,9 +78,9 @@ class _StatisticsSink:
     def result(self) -> SaliencySummary:
         keys = sorted(self.states, key=str)
         return SaliencySummary(
-            mean={k: np.asarray(self.states[k].mean) for k in keys},
-            variance={k: np.asarray(self.states[k].variance()) for k in keys},
-            count={k: int(np.asarray(self.states[k].num_samples)) for k in keys},
+            mean={k: self.pack([np.asarray(s.mean) for s in self.states[k]]) for k in keys},
+            variance={k: self.pack([np.asarray(s.variance()) for s in self.states[k]]) for k in keys},
+            count={k: int(np.asarray(self.states[k][0].num_samples)) for k in keys},
         )
 
 
@@ -86,8 +88,16 @@ def saliency_summary(model, inputs, *, by_class: bool = True, **saliency_options
     """Streams saliency maps into per-class running mean and variance.
 
     Example:
-        >>> summary = effgrad.saliency_summary(model, images, method="gradient", reduce="abs_sum")
-        >>> summary.mean[3]      # the average map of the examples explained as class 3
+        >>> model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(3)])
+        >>> images = np.random.default_rng(0).random((100, 8, 8, 1), dtype="float32")
+        >>> summary = effgrad.saliency_summary(model, images, target=2, reduce="abs_sum", progress=False)
+        >>> summary.count
+        {2: 100}
+        >>> summary.mean[2].shape  # the average map of the examples explained as class 2
+        (8, 8)
+
+        A model with several float inputs gets one map per input in each
+        statistic, e.g. ``summary.mean[2]["tabular"]`` for dict inputs.
 
     Args:
         model: As for :func:`effgrad.saliency`.
@@ -105,11 +115,6 @@ def saliency_summary(model, inputs, *, by_class: bool = True, **saliency_options
             raise TypeError(f"saliency_summary keeps no per-example maps; it takes no {name!r} option.")
     progress = saliency_options.pop("progress", True)
     plan = prepare(model, inputs, **saliency_options)
-    if len(plan.names) > 1:
-        raise ValueError(
-            f"saliency_summary summarizes the maps of one tensor, but {len(plan.names)} inputs are differentiated "
-            f"({', '.join(plan.names)}); pass layer= to summarize one layer's maps, or call effgrad.saliency."
-        )
-    sink = _StatisticsSink(plan.map_shapes[0], by_class)
+    sink = _StatisticsSink(plan.map_shapes, by_class, plan.pack)
     stream(plan, sink, progress)
     return sink.result
