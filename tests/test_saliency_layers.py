@@ -6,6 +6,8 @@ row ``ids[t]`` of the gradient with respect to the embedding *matrix*, which a
 plain tape gives. Zeroing that matrix runs the model at IG's zero baseline.
 """
 
+import threading
+
 import keras
 import keras_hub
 import numpy as np
@@ -122,6 +124,34 @@ def test_layer_maps_shard_across_replicas(strategy, rng):
     alone = effgrad.saliency(model, x, layer="token_embedding", progress=False)
     sharded = effgrad.saliency(model, x, layer="token_embedding", strategy=strategy, progress=False)
     np.testing.assert_allclose(sharded, alone, rtol=1e-5, atol=1e-7)
+
+
+def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
+    from effgrad.explain import wrt
+
+    model = _bert()
+    x = _tokens(rng)
+    expected = effgrad.saliency(model, x, layer="token_embedding", target=1, progress=False)
+    found = {}
+
+    def other_job():  # another target: a job of its own, traced (not taken from the job cache)
+        found["maps"] = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
+
+    with wrt._PATCHING:  # as while another thread's job is being traced with the layer patched
+        worker = threading.Thread(target=other_job)
+        worker.start()
+        worker.join(timeout=8)  # alone, the job takes ~2 s
+        assert worker.is_alive() and not found  # it waits for the patch to be undone
+    worker.join()
+    assert "call" not in model.backbone.get_layer("token_embedding").__dict__  # the layer is itself again
+    again = effgrad.saliency(model, x, layer="token_embedding", target=1, progress=False)
+    np.testing.assert_array_equal(again, expected)
+    np.testing.assert_allclose(
+        found["maps"],
+        _embedding_rows_gradient(model, model.backbone.get_layer("token_embedding"), x, unit=2),
+        rtol=1e-4,
+        atol=1e-6,
+    )
 
 
 def test_bad_layers_are_refused_before_any_work(tmp_path, rng):

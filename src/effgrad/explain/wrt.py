@@ -20,14 +20,16 @@ first to read its output at ``x`` (the forward pass stops right there), then
 to return ``points`` in its place. The layer must run once per forward pass.
 
 Trap:
-    The interception patches the layer *instance* for the duration of one
-    trace: a thread calling the same model at that very moment would see it.
+    The interception patches the layer *instance* while one job is traced
+    (not while it runs). effgrad's own traces take turns (a lock), but a
+    thread of yours calling the same model at that very moment would see it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import threading
 
 import tensorflow as tf
 
@@ -89,6 +91,10 @@ class InputLeaves:
         return tf.nest.pack_sequence_as(self.spec, flat)
 
 
+# Two saliency jobs traced at once in two threads on the same model must not see each other's patch.
+_PATCHING = threading.RLock()
+
+
 class _Reached(Exception):
     """Raised by the intercepted layer to end a forward pass once its output is read."""
 
@@ -101,16 +107,17 @@ def _intercepted(layer, replacement):
     its own work around it (casting, masks), so an instance attribute is
     enough; ``object.__setattr__`` keeps Keras's attribute tracking out of it.
     """
-    own = layer.__dict__.get("call")
-    original = layer.call
-    object.__setattr__(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs))
-    try:
-        yield
-    finally:
-        if own is None:
-            object.__delattr__(layer, "call")
-        else:
-            object.__setattr__(layer, "call", own)
+    with _PATCHING:
+        own = layer.__dict__.get("call")
+        original = layer.call
+        object.__setattr__(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs))
+        try:
+            yield
+        finally:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)
 
 
 class LayerOutput:
