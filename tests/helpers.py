@@ -43,3 +43,23 @@ def plain_step(model, per_example_loss, optimizer, x, y, sample_weight=None, cli
 
 def numpy_vars(variables):
     return [np.array(v.numpy()) for v in variables]
+
+
+def assert_summary_equals_numpy(summary, maps, classes):
+    """saliency_summary's per-class count, mean and variance equal NumPy's over the stored maps.
+
+    ``maps`` is what effgrad.saliency returned: one array, or a dict of arrays per input.
+    """
+    assert sorted(summary.count) == sorted(set(classes.tolist()))
+    for c, count in summary.count.items():
+        assert count == (classes == c).sum()
+        mean, variance = summary.mean[c], summary.variance[c]
+        if isinstance(maps, dict):
+            assert set(mean) == set(maps)  # the inputs' nest, as saliency() returns maps
+            triples = [(mean[k], variance[k], maps[k]) for k in maps]
+        else:
+            triples = [(mean, variance, maps)]
+        for m, v, stored in triples:
+            rows = stored[classes == c]
+            np.testing.assert_allclose(m, rows.mean(0), rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(v, rows.var(0), rtol=1e-3, atol=1e-7)
