@@ -19,12 +19,14 @@ import tensorflow as tf
 __all__ = [
     "TESTED",
     "compile_state",
+    "compiled_loss",
     "functional_graph",
     "get_keras_mask",
     "get_stateless_scope",
     "gradients_already_reduced",
     "in_xla_context",
     "optimization_barrier",
+    "recording_compiled_loss",
     "set_compiled_optimizer",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
@@ -63,6 +65,14 @@ try:
     from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
+
+try:
+    # compile()'s loss: its per-output terms (path, loss, loss_weights, name).
+    from keras.src.trainers.compile_utils import CompileLoss as _CompileLoss
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.trainers.compile_utils.CompileLoss", _err) from _err
+if getattr(_CompileLoss, "Loss", None) is None or "_flat_losses" not in _CompileLoss.build.__code__.co_names:
+    raise _missing("keras CompileLoss.Loss / CompileLoss._flat_losses", AttributeError("not found"))  # pragma: no cover
 
 try:
     from keras.src.ops.node import Node as _Node
@@ -120,6 +130,53 @@ def compile_state(model):
         return model._compile_config
     except AttributeError as err:
         raise _missing("keras Model._compile_config (set by compile())", err) from err
+
+
+def compiled_loss(model):
+    """Keras's ``CompileLoss`` made by ``model.compile(loss=..., loss_weights=...)``."""
+    loss = getattr(model, "_compile_loss", None)
+    if not isinstance(loss, _CompileLoss):
+        raise ValueError(f"{model.name} has no compiled loss: call model.compile(optimizer=..., loss=...) first.")
+    return loss
+
+
+@contextlib.contextmanager
+def recording_compiled_loss(loss, recorder):
+    """Runs Keras's ``CompileLoss`` with each term's loss replaced by ``recorder(loss, loss_weight)``.
+
+    Keras's ``CompileLoss.call`` matches ``y`` to the model's outputs (lists,
+    dicts, output names, partial losses) and hands every term its ``y_true``,
+    ``y_pred`` and ``sample_weight``; the recorders take the unreduced values
+    there, so effgrad follows Keras's own structure rules instead of copying
+    them.
+    """
+    original = loss._flat_losses
+
+    def swap():
+        loss._flat_losses = [
+            type(entry)(entry.path, recorder(entry.loss, entry.loss_weights), entry.loss_weights, entry.name)
+            for entry in loss._flat_losses
+        ]
+
+    if loss.built:
+        swap()
+    else:
+        # Keras builds it at its first call (matching y to the outputs first):
+        # the recorders go in right after, for that same call.
+        build = loss.build
+
+        def build_then_record(y_true, y_pred):
+            build(y_true, y_pred)
+            nonlocal original
+            original = loss._flat_losses
+            swap()
+
+        object.__setattr__(loss, "build", build_then_record)
+    try:
+        yield
+    finally:
+        loss.__dict__.pop("build", None)
+        loss._flat_losses = original
 
 
 def set_compiled_optimizer(model, optimizer) -> None:

@@ -114,7 +114,14 @@ def accumulate_gradients(
     def differentiate(batch_i, carry):
         with tf.GradientTape() as tape:
             objective, carry = micro_step(batch_i, carry)
-        grads = tape.gradient(objective, variables)
+        # An embedding's gradient arrives as IndexedSlices, one row per token.
+        # Made dense here (duplicate rows summed: the gradient itself), so
+        # every micro_batches gives the optimizer the same gradient; Keras's
+        # Adam would square each duplicate row separately at k=1 only.
+        grads = [
+            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            for g in tape.gradient(objective, variables)
+        ]
         if on_gradients is not None:
             carry = on_gradients(grads, carry)
         return grads, carry

@@ -87,8 +87,27 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
     @tf.custom_gradient
     def forward(*tensors):
         scope = StateScope()
-        with scope, _compat.stop_recording():  # keep no activation for backprop
+        created = []
+
+        def creator(next_creator, **kwargs):
+            variable = next_creator(**kwargs)
+            created.append(variable)
+            return variable
+
+        # Outermost: Keras creates the variables of a layer built inside a
+        # StatelessScope when that scope exits.
+        with tf.variable_creator_scope(creator), scope, _compat.stop_recording():  # keep no activation
             outputs = call(tensors)
+        if created:
+            # Such a layer computed this call from one draw of its initializer
+            # and stored another, and the variables were never watched: the
+            # outputs and gradients would both be wrong.
+            raise ValueError(
+                f"effgrad.checkpoint: {getattr(fn, 'name', 'the function')} created variables inside a "
+                f"checkpointed call ({sorted({v.name for v in created})}): a layer that was not built yet. "
+                "Build the layers before checkpointing them (call the function once without effgrad.checkpoint, or "
+                "layer.build(input_shape)), or wrap the layer itself: effgrad.Checkpoint(layer)."
+            )
         written = list(scope.written.values())
         # The scope kept the writes off the variables: they still hold the
         # pre-forward state, which is what the recompute must replay.
@@ -434,4 +453,41 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
         outputs = Checkpoint(block, name=f"checkpoint_{k}")([tensors[id(t)] for t in seg_inputs])
         tensors.update((id(t), out) for t, out in zip(seg_outputs, keras.tree.flatten(outputs)))
     new_outputs = keras.tree.map_structure(lambda t: tensors[id(t)], outputs_struct)
-    return keras.Model(new_inputs, new_outputs, name=f"{model.name}_checkpointed")
+    return CheckpointedModel(new_inputs, new_outputs, source=model, segments=segments)
+
+
+@keras.saving.register_keras_serializable(package="effgrad")
+class CheckpointedModel(keras.Model):
+    """What :func:`checkpoint_model` returns: a functional model saved as "``source``, cut into ``segments``".
+
+    Its config is the source model's config plus ``segments``, and loading
+    runs :func:`checkpoint_model` again on the rebuilt source. Serializing the
+    segment sub-models one by one instead would write a layer that two
+    segments share (a tied embedding, a shared block or sub-model) once per
+    segment, and loading would give the copies separate weights (or none).
+    Rebuilt from the source, the layers are shared exactly as before and the
+    weights load in the same order they were saved.
+    """
+
+    def __init__(self, inputs, outputs, *, source: keras.Model, segments, name=None, **kwargs):
+        super().__init__(inputs, outputs, name=name or f"{source.name}_checkpointed", **kwargs)
+        object.__setattr__(self, "_effgrad_source", (source, segments))  # untracked: its layers are ours
+
+    def get_config(self):
+        source, segments = self._effgrad_source
+        return {
+            "name": self.name,
+            "source": keras.saving.serialize_keras_object(source),
+            "segments": segments,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        source = keras.saving.deserialize_keras_object(config["source"], custom_objects=custom_objects)
+        if not source.built:
+            raise ValueError(f"checkpoint_model: the saved source model {source.name} did not rebuild.")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # any "fewer segments" warning was given when it was made
+            model = checkpoint_model(source, config["segments"])
+        model.name = config["name"]
+        return model

@@ -75,11 +75,8 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     """
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise ValueError("attach() needs a compiled model: call model.compile(optimizer=..., loss=...) first.")
-    if model.loss is None or isinstance(model.loss, (dict, list, tuple)):
-        raise NotImplementedError(
-            "attach() supports one compiled loss; for several outputs pass one callable that "
-            "combines them, or call effgrad.build_train_step directly."
-        )
+    if model.loss is None:
+        raise ValueError("attach() needs a compiled loss: call model.compile(optimizer=..., loss=...) first.")
     if step_options.get("micro_batches") == "auto" or "memory_budget" in step_options:
         return _attach_planned(model, step_options)
     return _attach(model, dict(step_options), forward=model)
@@ -89,11 +86,13 @@ def _attach(model, given: dict, forward) -> keras.Model:
     """``attach`` with checked options; ``forward`` computes the predictions (``model``, or a
     ``checkpoint_model`` of it sharing its variables)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
+    objective = losses.Objective.of_compiled(model, given.get("reduction"))
     options = {
         "strategy": model.distribute_strategy,
-        "reduction": losses.reduction_of(model.loss),
         "jit_compile": bool(model.jit_compile),
+        "skip_zero_weight_batches": False,  # stock fit applies such a batch (regularizers, moments)
         **given,
+        "reduction": objective.reduction,
     }
     if loss_scale_lib.is_dynamic(options.get("loss_scale", "auto"), model) and not isinstance(
         model.optimizer, keras.optimizers.LossScaleOptimizer
@@ -103,7 +102,7 @@ def _attach(model, given: dict, forward) -> keras.Model:
     def update_metrics(x, y, y_pred, sample_weight):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    step = TrainStep(forward, model.loss, model.optimizer, on_micro_batch=update_metrics, **options)
+    step = TrainStep(forward, objective, model.optimizer, on_micro_batch=update_metrics, **options)
     compiled_with = _compat.compile_state(model)
 
     def train_step(data):

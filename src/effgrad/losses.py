@@ -22,6 +22,7 @@ Trap:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import keras
@@ -29,7 +30,7 @@ import tensorflow as tf
 
 from effgrad import _compat
 
-__all__ = ["REDUCTIONS", "reduction_of", "unreduced", "weighted_terms", "normalize"]
+__all__ = ["REDUCTIONS", "Objective", "reduction_of", "unreduced", "weighted_terms", "normalize"]
 
 REDUCTIONS = ("mean_with_sample_weight", "sum_over_batch_size", "sum")
 _ALIASES = {"mean": "sum_over_batch_size"}
@@ -47,10 +48,24 @@ def check_reduction(reduction: str) -> str:
 
 
 def reduction_of(loss) -> str:
-    """The reduction Keras's ``compile`` uses for ``loss`` (its default for names and functions)."""
+    """The reduction Keras's ``compile`` uses for ``loss`` (its default for names and functions).
+
+    For several losses (a list or dict, one per output) the label of their sum
+    (:func:`combined_reduction`).
+    """
+    leaves = [leaf for leaf in keras.tree.flatten(loss) if leaf is not None]
+    if len(leaves) != 1:
+        return combined_reduction([reduction_of(leaf) for leaf in leaves])
+    loss = leaves[0]
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     return check_reduction(getattr(loss, "reduction", None) or "sum_over_batch_size")
+
+
+def combined_reduction(reductions) -> str:
+    """The label of a sum of terms reduced by ``reductions`` (one name when they agree)."""
+    kinds = set(reductions)
+    return kinds.pop() if len(kinds) == 1 else "sum_over_batch_size"
 
 
 def unreduced(loss) -> Callable:
@@ -70,7 +85,8 @@ def unreduced(loss) -> Callable:
 def _broadcast(weights: tf.Tensor, losses: tf.Tensor, name: str) -> tf.Tensor:
     """``weights`` ``[m, ...]`` broadcast to ``losses``; missing trailing axes added on the right."""
     weights = tf.cast(weights, tf.float32)
-    weights, _ = _compat.squeeze_or_expand_to_same_rank(weights, losses)  # Keras's own alignment
+    # Keras's own alignment: [batch, 1] weights against [batch] losses lose their last axis.
+    weights, _ = _compat.squeeze_or_expand_to_same_rank(weights, losses, expand_rank_1=False)
     if weights.shape.rank is not None and losses.shape.rank is not None:
         if weights.shape.rank > losses.shape.rank:
             raise ValueError(
@@ -119,6 +135,201 @@ def normalize(total, normalizer, reduction: str):
     return tf.math.divide_no_nan(total, normalizer)
 
 
-def keras_mask(y_pred):
-    """The Keras mask carried by ``y_pred`` (a single output), or None."""
-    return _compat.get_keras_mask(y_pred)
+def keras_mask(y_pred, values=None):
+    """The mask ``Loss.__call__`` applies: ``y_pred``'s Keras mask and the loss values' own.
+
+    A loss marks the elements it ignores with a mask on its values (e.g.
+    ``SparseCategoricalCrossentropy(ignore_class=...)``); Keras ANDs it with
+    the mask of ``y_pred``.
+    """
+    masks = [m for m in (_compat.get_keras_mask(y_pred), _compat.get_keras_mask(values)) if m is not None]
+    if len(masks) == 2:
+        return tf.logical_and(tf.cast(masks[0], tf.bool), tf.cast(masks[1], tf.bool))
+    return masks[0] if masks else None
+
+
+def to_float32(nest):
+    """Float tensors of ``nest`` in float32, each keeping its Keras mask (a cast drops it)."""
+
+    def cast(t):
+        if t is None or not t.dtype.is_floating or t.dtype == tf.float32:
+            return t
+        mask = _compat.get_keras_mask(t)
+        t = tf.cast(t, tf.float32)
+        if mask is not None:
+            _compat.set_keras_mask(t, mask)
+        return t
+
+    return tf.nest.map_structure(cast, nest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One loss term of one micro-batch, unreduced: what ``Loss.__call__`` would reduce."""
+
+    values: tf.Tensor
+    sample_weight: tf.Tensor | None
+    mask: tf.Tensor | None
+    reduction: str
+    weight: float | None = None  # compile's loss_weights entry
+
+
+def _evaluate(fn, reduction, y_true, y_pred, sample_weight, weight=None) -> Term:
+    check_shapes(fn, y_true, y_pred)
+    values = tf.convert_to_tensor(fn(y_true, y_pred))
+    if values.shape.rank == 0:
+        raise ValueError(
+            "The loss returned a scalar, i.e. it is already reduced over the batch; effgrad "
+            "needs unreduced losses (shape [batch] or [batch, ...]) to normalize once over the "
+            "whole batch. Pass a keras.losses.Loss instance or a function like "
+            "`lambda y, p: keras.losses.mean_squared_error(y, p)`."
+        )
+    return Term(values, sample_weight, keras_mask(y_pred, values), reduction, weight)
+
+
+def check_shapes(fn, y_true, y_pred) -> None:
+    """Traces ``fn`` on a static batch so a ``y_true``/``y_pred`` shape mismatch fails now, clearly.
+
+    The step is traced with an unknown batch size, and ``[None]`` labels
+    broadcast against ``[None, 10]`` predictions until the batch sizes meet
+    at run time (deep inside the accumulation loop). A batch size that no
+    other axis has makes the mismatch a trace-time error, as in Keras.
+    """
+    leaves = [t for t in tf.nest.flatten((y_true, y_pred)) if t is not None]
+    if not leaves or any(t.shape.rank is None or not t.shape[1:].is_fully_defined() for t in leaves):
+        return
+    taken = {d for t in leaves for d in t.shape[1:]}
+    rows = next(n for n in (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37) if n not in taken)
+
+    def spec(t):
+        return None if t is None else tf.TensorSpec([rows] + t.shape[1:].as_list(), t.dtype)
+
+    try:
+        tf.function(fn, autograph=False).get_concrete_function(*tf.nest.map_structure(spec, (y_true, y_pred)))
+    except (ValueError, tf.errors.InvalidArgumentError) as err:
+        if not any(m in str(err) for m in ("must be equal", "Incompatible shapes", "not compatible")):
+            return  # another failure: the real call reports it
+        shapes = lambda nest: tf.nest.map_structure(lambda t: [None] + t.shape[1:].as_list(), nest)  # noqa: E731
+        raise ValueError(
+            f"The loss cannot compare y (shape {shapes(y_true)}) with the model's output (shape "
+            f"{shapes(y_pred)}). Give y the output's shape (e.g. one-hot "
+            "labels for a categorical loss), or use a loss that takes these labels (integer class "
+            "ids: SparseCategoricalCrossentropy)."
+        ) from None
+
+
+class Objective:
+    """The training loss of one micro-batch as sums the step can combine over the whole batch.
+
+    One loss term: ``(sum(w * l), normalizer)`` as in the module docstring.
+    Several (a model with several outputs compiled with one loss, a list or a
+    dict of losses, ``loss_weights``) give Keras's ``L = sum_o lw_o * L_o``,
+    each ``L_o`` normalized over the WHOLE batch. With one micro-batch on one
+    replica that is computed as it stands. Otherwise every term's normalizer
+    must be a fixed multiple ``c_o`` of one quantity ``R`` that sums over
+    micro-batches (the rows, or the sum of per-example weights), and
+    ``L = sum_i sum_o lw_o * T_o,i / c_o  /  sum_i R_i`` is exact; terms
+    normalized by different quantities (a Keras mask on one output) are
+    refused before any update, never combined approximately.
+
+    Build it with :meth:`of_loss` (one loss, ``build_train_step``) or
+    :meth:`of_compiled` (what ``model.compile`` was given, ``attach``).
+    """
+
+    def __init__(self, evaluate: Callable, reduction: str):
+        self._evaluate = evaluate  # (y, y_pred, sample_weight) -> list[Term]
+        self.reduction = reduction
+
+    @classmethod
+    def of_loss(cls, loss, reduction: str) -> Objective:
+        """One loss (a ``keras.losses.Loss``, a name or an unreduced callable), reduced by ``reduction``."""
+        fn = unreduced(loss)
+        reduction = check_reduction(reduction)
+
+        def evaluate(y, y_pred, sample_weight):
+            return [_evaluate(fn, reduction, y, y_pred, sample_weight)]
+
+        return cls(evaluate, reduction)
+
+    @classmethod
+    def of_compiled(cls, model, reduction: str | None = None) -> Objective:
+        """The loss ``model.compile`` was given: its structure, ``loss_weights`` and reductions.
+
+        Keras's own ``CompileLoss`` matches ``y`` to the outputs (lists,
+        dicts, output names) and hands each term its part of ``y``,
+        ``y_pred`` and ``sample_weight``; effgrad takes the unreduced values
+        there (its per-output loss metrics are updated as in Keras, per
+        micro-batch). ``reduction`` overrides every term's own.
+        """
+        compiled = _compat.compiled_loss(model)
+        reduction = None if reduction is None else check_reduction(reduction)
+
+        def evaluate(y, y_pred, sample_weight):
+            terms = []
+
+            def recorder(loss, weight):
+                red = reduction or reduction_of(loss)
+
+                def record(y_true, y_pred_o, sample_weight_o=None):
+                    term = _evaluate(loss.call, red, y_true, y_pred_o, sample_weight_o, weight)
+                    terms.append(term)
+                    return normalize(*weighted_terms(term.values, term.sample_weight, term.mask, red), red)
+
+                return record
+
+            with _compat.recording_compiled_loss(compiled, recorder):
+                compiled(y, y_pred, sample_weight)
+            return terms
+
+        return cls(evaluate, reduction or reduction_of(model.loss))
+
+    def sums(self, y, y_pred, sample_weight, *, exact: bool):
+        """``(total, normalizer)`` of one micro-batch; ``L = normalize(sum total, sum normalizer)``.
+
+        ``exact``: the whole batch is this one micro-batch (one micro-batch,
+        one replica), so several terms are normalized as they stand.
+        """
+        terms = self._evaluate(y, to_float32(y_pred), sample_weight)
+        parts = [weighted_terms(t.values, t.sample_weight, t.mask, t.reduction) for t in terms]
+        lw = [1.0 if t.weight is None else float(t.weight) for t in terms]
+        if len(terms) == 1:
+            return parts[0][0] * lw[0], parts[0][1]
+        if exact:
+            total = tf.add_n([w * normalize(s, n, t.reduction) for w, (s, n), t in zip(lw, parts, terms)])
+            return total, tf.ones([], tf.float32)
+        if self.reduction == "sum" and all(t.reduction == "sum" for t in terms):
+            return tf.add_n([w * s for w, (s, _) in zip(lw, parts)]), tf.zeros([], tf.float32)
+        rows = tf.cast(tf.shape(terms[0].values)[0], tf.float32)
+        quantities = [self._row_quantity(t, rows) for t in terms]
+        if len({kind for kind, _ in quantities}) != 1 or any(t.mask is not None or t.reduction == "sum" for t in terms):
+            raise ValueError(
+                f"The compiled loss has {len(terms)} terms normalized by different quantities (a Keras mask or "
+                "per-element sample weights on an output, or mixed reductions), which can be combined exactly "
+                "only when one micro-batch is the whole batch: use micro_batches=1 on one device, or give every "
+                "output the same per-example sample weights and no mask."
+            )
+        r = quantities[0][1]
+        total = tf.add_n([w * s * tf.math.divide_no_nan(r, n) for w, (s, n) in zip(lw, parts)])
+        if quantities[0][0] == "weights" and not _compat.in_xla_context():
+            # Keras hands each output its own copy of the sample weights; the
+            # terms combine exactly only if they hold the same values.
+            checks = [
+                tf.debugging.assert_near(q, r, message="per-output sample weights differ: use micro_batches=1")
+                for _, q in quantities[1:]
+            ]
+            with tf.control_dependencies(checks):
+                total = tf.identity(total)
+        return total, r
+
+    @staticmethod
+    def _row_quantity(term: Term, rows):
+        """``(kind, R)``: the quantity this term's normalizer is a fixed multiple of."""
+        w = term.sample_weight
+        if w is None or term.reduction == "sum_over_batch_size":
+            return "rows", rows
+        w = tf.cast(w, tf.float32)
+        if w.shape.rank == 2 and w.shape[-1] == 1:
+            w = w[:, 0]
+        if w.shape.rank != 1:
+            return ("per-element", id(term)), None
+        return "weights", tf.reduce_sum(w)

@@ -49,19 +49,13 @@ class StateScope(keras.StatelessScope):
         self.written[id(update[0])] = update[0]
 
 
-def written_in(scope: StateScope, variables) -> set[int]:
-    """Indices of ``variables`` that ``scope`` saw written.
+def written_in(scope: StateScope, variables) -> tuple[set[int], list]:
+    """``(indices of variables written, other variables written)`` in ``scope``.
 
-    Raises:
-        ValueError: a variable outside ``variables`` was written (it could not
-            be held back, so a skipped step would still change it).
+    The others are state a layer keeps outside its tracked weights (a
+    stateful RNN's ``rnn_state``); the caller decides whether it can hold
+    them back too.
     """
     ids = {id(v): i for i, v in enumerate(variables)}
-    stray = [v.path for key, v in scope.written.items() if key not in ids]
-    if stray:
-        raise ValueError(
-            f"The forward pass writes variables that are not the model's non-trainable variables: {stray}. "
-            "effgrad commits forward-pass writes only when a step is applied; create such state with "
-            "layer.add_weight(trainable=False) in a layer of the model."
-        )
-    return {ids[key] for key in scope.written}
+    stray = [v for key, v in scope.written.items() if key not in ids]
+    return {ids[key] for key in scope.written if key in ids}, stray

@@ -59,6 +59,9 @@ class StepOptions:
     reduction: str = "mean_with_sample_weight"
     noise_scale: bool = False
     on_micro_batch: Callable | None = None
+    # False: a batch whose weights sum to 0 is still applied (regularizers, optimizer
+    # moments, statistics), as stock Keras fit applies it; attach sets this.
+    skip_zero_weight_batches: bool = True
 
     def __post_init__(self):
         hint = " (1 = no accumulation)"
@@ -79,10 +82,6 @@ class StepOptions:
             )
         if self.strategy is not None and not isinstance(self.strategy, tf.distribute.Strategy):
             raise TypeError(f"strategy must be a tf.distribute.Strategy, got {type(self.strategy).__name__}.")
-
-
-def _to_float32(nest):
-    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, nest)
 
 
 def _leading_dims(nest) -> list[int]:
@@ -153,7 +152,11 @@ class TrainStep:
         self.micro_batches = self.options.micro_batches
         self.reduction = self.options.reduction
         self.strategy = self.options.strategy or tf.distribute.get_strategy()
-        self._loss_fn = losses.unreduced(loss)
+        if isinstance(loss, losses.Objective):
+            self._objective = loss
+            self.reduction = loss.reduction
+        else:
+            self._objective = losses.Objective.of_loss(loss, self.reduction)
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.trace_count = 0
         self._calls = 0
@@ -162,7 +165,7 @@ class TrainStep:
         self._signatures: set[str] = set()
         self._accumulators: list[tf.Variable] | None = None
         self._state_variables: list = []
-        self._written: list[int] = []  # indices of state variables the forward pass writes (seen at trace)
+        self._written: list = []  # state variables the forward pass writes (seen at trace)
         self._normalize_in_objective = self.micro_batches == 1 and self.strategy.num_replicas_in_sync == 1
         if self.options.noise_scale and self._normalize_in_objective:
             raise ValueError(
@@ -256,7 +259,7 @@ class TrainStep:
         # Every log value is computed from all-reduced sums: replica 0's copy is the value.
         return {k: distribute.first_replica(self.strategy, v) for k, v in logs.items()}
 
-    def _micro_step(self, local_rows, written: set):
+    def _micro_step(self, local_rows, written: set, stray: list):
         state_variables = self._state_variables
 
         def micro_step(batch, carry):
@@ -264,24 +267,25 @@ class TrainStep:
             total, normalizer, pending, noise = carry
             with state.StateScope(zip(state_variables, pending), collect_losses=True) as scope:
                 y_pred = self.model(x, training=True)
-            written.update(state.written_in(scope, state_variables))
+            indices, others = state.written_in(scope, state_variables)
+            written.update(indices)
             pending = [scope.get_current_value(v) for v in state_variables]
+            if others and self.micro_batches > 1:
+                raise ValueError(
+                    f"The forward pass writes state outside the model's weights: {[v.path for v in others]} "
+                    "(a stateful RNN's rnn_state: row i of a batch continues row i of the previous batch). "
+                    "Micro-batches would split those rows; use micro_batches=1 for such a model."
+                )
+            stray.extend((v, scope.get_current_value(v)) for v in others)  # one micro-batch: commit as usual
             if scope.losses:
                 raise NotImplementedError(
                     "The model adds losses in its forward pass (add_loss / activity_regularizer). They are "
                     "batch statistics that effgrad cannot renormalize over the whole batch; move the term "
                     "into the loss function or use a kernel regularizer instead."
                 )
-            mask = losses.keras_mask(y_pred)  # before the cast, which drops it
-            values = tf.convert_to_tensor(self._loss_fn(y, _to_float32(y_pred)))
-            if values.shape.rank == 0:
-                raise ValueError(
-                    "The loss returned a scalar, i.e. it is already reduced over the batch; effgrad "
-                    "needs unreduced losses (shape [batch] or [batch, ...]) to normalize once over the "
-                    "whole batch. Pass a keras.losses.Loss instance or a function like "
-                    "`lambda y, p: keras.losses.mean_squared_error(y, p)`."
-                )
-            micro_total, micro_normalizer = losses.weighted_terms(values, sample_weight, mask, self.reduction)
+            micro_total, micro_normalizer = self._objective.sums(
+                y, y_pred, sample_weight, exact=self._normalize_in_objective
+            )
             if self.options.on_micro_batch is not None:
                 self.options.on_micro_batch(x, y, y_pred, sample_weight)
             # One micro-batch on one replica: its normalizer is the global one,
@@ -319,13 +323,14 @@ class TrainStep:
         variables = self.model.trainable_variables
         local_rows = tf.cast(tf.maximum(accumulate.batch_size(x), 1), tf.float32)
         written: set[int] = set()
+        stray: list = []  # (variable, new value) of state outside the model's variables
         zero = tf.zeros([], tf.float32)
         noise = {}
         if self.noise_scale is not None:
             noise = {"size": zero, "small_sq": zero, "inverse_size": zero, "count": zero}
         carry = (zero, zero, [tf.convert_to_tensor(v) for v in self._state_variables], noise)
         grads, (total, normalizer, pending, noise) = accumulate.accumulate_gradients(
-            self._micro_step(local_rows, written),
+            self._micro_step(local_rows, written, stray),
             variables,
             (x, y, sample_weight),
             self.micro_batches,
@@ -335,14 +340,14 @@ class TrainStep:
             on_gradients=self._noise_hook(local_rows) if noise else None,
         )
         noise.pop("size", None)
-        self._written = sorted(written)
+        self._written = [self._state_variables[i] for i in sorted(written)] + [v for v, _ in stray]
         regularized = _regularized(variables)
         reg_loss, reg_grads = tf.zeros([], tf.float32), {}
         if regularized:
             with tf.GradientTape() as tape:
                 reg_loss = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for _, v in regularized])
             reg_grads = dict(zip((i for i, _ in regularized), tape.gradient(reg_loss, [v for _, v in regularized])))
-        pending = [pending[i] for i in self._written]
+        pending = [pending[i] for i in sorted(written)] + [value for _, value in stray]
         return grads, total, normalizer, pending, noise, local_rows, reg_loss, reg_grads
 
     def replica_step(self, x, y, sample_weight=None, shard: bool = False) -> dict:
@@ -389,7 +394,9 @@ class TrainStep:
         if clip is not None:
             update["clip"] = clip
         loss = losses.normalize(total, normalizer, self.reduction) + reg_loss
-        has_weight = normalizer > 0 if self.reduction == "mean_with_sample_weight" else tf.constant(True)
+        has_weight = tf.constant(True)
+        if self.reduction == "mean_with_sample_weight" and self.options.skip_zero_weight_batches:
+            has_weight = normalizer > 0
         apply = functools.partial(self._apply_or_skip, connected=connected)
         done = ctx.merge_call(apply, args=(update, pending, finite & has_weight, finite, has_weight))
         if self._accumulators is not None:
@@ -450,7 +457,7 @@ class TrainStep:
     def _apply_or_skip(self, strategy, update, pending, apply_flag, finite, has_weight, *, connected):
         """Cross-replica: apply the agreed update and commit forward-pass state, or change nothing."""
         variables = [self.model.trainable_variables[i] for i in connected]
-        state_variables = [self._state_variables[i] for i in self._written]
+        state_variables = self._written
 
         def apply(update, pending):
             per_loss, clip = update.get("per_loss"), update.get("clip")
