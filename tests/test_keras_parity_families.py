@@ -320,3 +320,21 @@ def _random_case(seed):
 def test_random_configurations_of_the_families_equal_stock_fit(seed):
     family, make, compile_kwargs, x, y, w, bs, k = _random_case(seed)
     _assert_same_training(*_fit_both(make, compile_kwargs, x, y, w, batch_size=bs, micro_batches=k), atol=2e-5)
+
+
+def _token_tagger():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(7, 4), keras.layers.Dense(4)])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_ignore_class_masks_the_loss_as_keras_does(rng, micro_batches):
+    """The loss's own mask (ignore_class) joins y_pred's: ignored tokens weigh nothing, normalization included."""
+    tokens = rng.integers(0, 7, size=(12, 6)).astype("int32")
+    labels = rng.integers(0, 4, size=(12, 6))
+    labels[:, 3:] = 0  # half the positions are the ignored class
+    compile_kwargs = lambda: {  # noqa: E731
+        "optimizer": keras.optimizers.SGD(0.5),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+    }
+    _assert_same_training(*_fit_both(_token_tagger, compile_kwargs, tokens, labels, micro_batches=micro_batches))
