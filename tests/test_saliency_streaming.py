@@ -74,7 +74,7 @@ def test_copy_on_write_memmaps_keep_the_callers_edits_and_the_maps(tmp_path, rng
     assert np.abs(np.asarray(out)).sum() > 0
 
 
-def test_resume_after_an_exception_skips_committed_rows(tmp_path, x):
+def test_resume_after_an_exception_skips_committed_rows(tmp_path, x, monkeypatch):
     model = _model()
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
     path = tmp_path / "maps.npy"
@@ -97,13 +97,13 @@ def test_resume_after_an_exception_skips_committed_rows(tmp_path, x):
     with pytest.raises(ValueError, match="first 24 input rows are not the ones"):
         effgrad.saliency(model, poisoned, batch_size=8, out=path, resume=True, progress=False)
     assert path.read_bytes() == before
-    marked = np.load(path, mmap_mode="r+")
-    marked[:24] = 7.0  # were committed rows recomputed, the marks would be gone
-    marked.flush()
-    del marked
+    from effgrad.explain import engine
+
+    computed, submit = [], engine._Writer.submit
+    monkeypatch.setattr(engine._Writer, "submit", lambda self, row, *a: (computed.append(row), submit(self, row, *a)))
     effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
-    np.testing.assert_array_equal(np.load(path)[24:], expected[24:])
-    assert (np.load(path)[:24] == 7.0).all()
+    assert computed == [24, 32, 40, 48]  # committed rows were checked, not computed again
+    np.testing.assert_array_equal(np.load(path), expected)
     assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["complete"]
 
 
@@ -448,3 +448,40 @@ def test_effgrad_help_does_not_load_tensorflow():
     probe = "import sys; sys.argv = ['effgrad', '--help']; import effgrad; print('tensorflow' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_a_completed_run_resumed_with_other_inputs_is_refused(tmp_path, x):
+    model = _model()
+    path = tmp_path / "maps.npy"
+    maps = np.array(effgrad.saliency(model, x, batch_size=8, out=path, progress=False))
+    with pytest.raises(ValueError, match="not the ones"):
+        effgrad.saliency(model, x + 1, batch_size=8, out=path, resume=True, progress=False)
+    longer = (b for b in (x[:25], x[25:], x[:3]))  # unknown length: only reading them can tell
+    with pytest.raises(ValueError, match="inputs hold more"):
+        effgrad.saliency(model, longer, batch_size=8, out=path, resume=True, progress=False, num_examples=50)
+    with pytest.raises(ValueError, match="before the 50 committed"):
+        effgrad.saliency(
+            model, (b for b in (x[:40],)), batch_size=8, out=path, resume=True, progress=False, num_examples=50
+        )
+    # the same inputs: the finished maps, nothing recomputed
+    np.testing.assert_array_equal(effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False), maps)
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_committed_rows_damaged_on_disk_are_refused_with_their_range(tmp_path, x, complete):
+    model = _model()
+    path = tmp_path / "maps.npy"
+    if complete:
+        effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
+    else:
+        path = _interrupted(tmp_path, model, x)
+    committed = json.loads((tmp_path / "maps.npy.journal.json").read_text())["committed"]
+    assert committed >= 20
+    stored = np.load(path, mmap_mode="r+")  # header and size stay intact
+    stored[10:20] = 0
+    stored.flush()
+    del stored
+    with pytest.raises(ValueError, match=r"rows \d+-\d+ changed after they were committed") as err:
+        effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
+    first, last = map(int, err.value.args[0].split("rows ")[1].split(" changed")[0].split("-"))
+    assert first <= 10 and last >= 19  # the range names the damaged rows

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from effgrad.explain.engine import stream
+from effgrad.explain.engine import check_inputs, stream
 from effgrad.explain.inputs import leaf_names
 from effgrad.explain.plan import SaliencyPlan, prepare, weights_checksum
 from effgrad.explain.sinks import ArraySink, GrowingArraySink, NpyFileSink, Sink, SinkGroup
@@ -217,7 +217,9 @@ def saliency(
     sink = open_sink(out, plan, resume)
     failed = True
     try:
-        if not sink.complete:
+        if sink.complete:
+            check_inputs(plan, sink)  # the same rows, or the old maps are not theirs
+        else:
             stream(plan, sink, progress)
         failed = False
     finally:

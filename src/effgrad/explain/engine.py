@@ -31,7 +31,7 @@ import tensorflow as tf
 from effgrad.explain.plan import SaliencyPlan
 from effgrad.explain.sinks import Sink
 
-__all__ = ["stream"]
+__all__ = ["stream", "check_inputs"]
 
 _COMMIT_EVERY_SECONDS = 0.5
 _AHEAD = 2  # batches staged ahead of, and pending behind, the device
@@ -198,6 +198,20 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
             raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
         sink.finish(end.rows, end.crc)
         bar.update(end.rows, finalize=True)
+
+
+def check_inputs(plan: SaliencyPlan, sink: Sink) -> None:
+    """For a run that was already complete: the inputs must be the rows it explained, no more, no fewer.
+
+    Reads and checksums the inputs (no model call); without this a resume
+    with other inputs would return the old maps as theirs.
+    """
+    for item in _staged(plan.source, sink.committed, sink.input_crc, None):
+        if not isinstance(item, _End):
+            raise ValueError(
+                f"Cannot resume: the run into this output is complete with {sink.committed} rows, but the inputs "
+                "hold more. Resume with the same inputs, or write to another file."
+            )
 
 
 def _combined(crcs: list[int]) -> int:

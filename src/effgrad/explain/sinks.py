@@ -15,6 +15,8 @@ leaves a state a resume recognizes::
     2.     maps.npy                header, then the whole size reserved (posix_fallocate):
                                    a full disk is an error before any work, never SIGBUS
     3.     rows (pwrite), fdatasync, journal "committed": k     every ~0.5 s
+           (with the CRC-32 of output rows [0, k): a resume re-reads them and
+           refuses a file whose committed rows changed, naming the rows)
     4.     (unknown length) header rewritten with the final row count, file cut to it
     5.     journal "complete": true; lock file removed
 
@@ -31,6 +33,7 @@ import json
 import mmap
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -41,6 +44,8 @@ try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; one writer per output is then the caller's duty
     fcntl = None
+
+_CHECKS = 64  # output checksums kept in a journal
 
 __all__ = ["Sink", "ArraySink", "GrowingArraySink", "NpyFileSink", "SinkGroup", "journal_path", "release_rows"]
 
@@ -180,6 +185,9 @@ class NpyFileSink:
         self.map_shape, self.dtype, self.num_examples = tuple(map_shape), np.dtype(dtype), num_examples
         self.row_bytes = int(np.prod(map_shape, dtype=np.int64)) * self.dtype.itemsize
         self.committed, self.input_crc, self.complete = 0, None, False
+        # Running CRC-32 of the output rows written so far (rows arrive in order), and
+        # [rows, crc] at commits: at most _CHECKS of them, spread over the file.
+        self.crc, self.crc_rows, self.checks = 0, 0, []
         self.created = False
         self.fd: int | None = None
         self.offset = len(self._header(0))
@@ -235,6 +243,7 @@ class NpyFileSink:
         if path.exists() and self._layout_is_whole(committed, complete):
             self.fd = os.open(path, os.O_RDWR)
             self.committed, self.complete, self.input_crc = committed, complete, state.get("input_crc")
+            self._verify_rows(state.get("output_checks") or [])
             return True
         if committed:
             raise ValueError(
@@ -261,6 +270,44 @@ class NpyFileSink:
         if complete:
             return shape[0] == committed and size == offset + committed * self.row_bytes
         return shape[0] == 0 and size >= offset + committed * self.row_bytes
+
+    def _crcs_at(self, stops) -> dict[int, int]:
+        """The CRC-32 of output rows ``[0, stop)`` for each stop, read back from the file."""
+        crcs, crc, row = {}, 0, 0
+        chunk_rows = max(1, (64 << 20) // max(self.row_bytes, 1))
+        for stop in sorted(set(stops)):
+            while row < stop:
+                n = min(chunk_rows, stop - row)
+                crc, row = (
+                    zlib.crc32(os.pread(self.fd, n * self.row_bytes, self.offset + row * self.row_bytes), crc),
+                    row + n,
+                )
+            crcs[stop] = crc
+        return crcs
+
+    def _verify_rows(self, checks: list) -> None:
+        """Re-reads the committed rows: their CRC must be what was committed (else a clear error)."""
+        checks = [[int(rows), int(crc)] for rows, crc in checks if int(rows) <= self.committed]
+        found = self._crcs_at([rows for rows, _ in checks] + [self.committed])
+        good_from = 0
+        for rows, crc in checks:
+            if found[rows] != crc:
+                os.close(self.fd)
+                self.fd = None
+                raise ValueError(
+                    f"Cannot resume into {self.path}: rows {good_from}-{rows - 1} changed after they were "
+                    f"committed (checksum {found[rows]:08x}, journal {crc:08x}); the file is damaged or was "
+                    "edited. Remove it and its .journal.json to start over."
+                )
+            good_from = rows
+        self.crc, self.crc_rows, self.checks = found[self.committed], self.committed, checks
+
+    def rewind(self, rows: int, input_crc: int | None) -> None:
+        """Continue from ``rows`` (< committed; ``input_crc`` of those inputs): a group resumes all its
+        files from the one behind."""
+        self.crc, self.crc_rows, self.input_crc = self._crcs_at([rows])[rows], rows, input_crc
+        self.committed, self.complete = rows, False
+        self.checks = [c for c in self.checks if c[0] <= rows]
 
     def _create(self) -> None:
         path = self.path
@@ -300,18 +347,33 @@ class NpyFileSink:
         rows = np.ascontiguousarray(_host(maps), dtype=self.dtype)
         if self.num_examples is not None and start + len(rows) > self.num_examples:
             raise ValueError(f"The inputs hold more than num_examples={self.num_examples} examples.")
+        data = memoryview(rows).cast("B")
+        if start != self.crc_rows:
+            raise RuntimeError(f"effgrad: rows must be written in order (row {start} after {self.crc_rows}).")
         try:
-            _pwrite_all(self.fd, memoryview(rows).cast("B"), self.offset + start * self.row_bytes)
+            _pwrite_all(self.fd, data, self.offset + start * self.row_bytes)
         except OSError as err:
             if err.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self.path.parent).free
                 raise OSError(errno.ENOSPC, _no_space(self.path, len(rows) * self.row_bytes, free)) from None
             raise
+        self.crc, self.crc_rows = zlib.crc32(data, self.crc), start + len(rows)
 
     def commit(self, rows: int, input_crc: int = 0) -> None:
         os.fdatasync(self.fd) if hasattr(os, "fdatasync") else os.fsync(self.fd)  # rows on disk, then the journal
+        self._check_point(rows)
         self._write_journal(rows, input_crc=input_crc)
         self.committed = rows
+
+    def _check_point(self, rows: int) -> None:
+        """Records the output CRC at ``rows``; past _CHECKS points every other older one is dropped
+        (each is a CRC from row 0, so any subset still checks, only with coarser row ranges)."""
+        if rows != self.crc_rows:
+            raise RuntimeError(f"effgrad: commit at row {rows} but rows were written up to {self.crc_rows}.")
+        if not self.checks or self.checks[-1][0] != rows:
+            self.checks.append([rows, self.crc])
+        if len(self.checks) > _CHECKS:
+            self.checks = self.checks[:-1][1::2] + self.checks[-1:]
 
     def finish(self, rows: int, input_crc: int = 0) -> None:
         if self.num_examples is None:
@@ -322,6 +384,7 @@ class NpyFileSink:
         elif rows != self.num_examples:
             raise ValueError(f"The inputs held {rows} examples but num_examples={self.num_examples}.")
         os.fsync(self.fd)
+        self._check_point(rows)
         self._write_journal(rows, complete=True, input_crc=input_crc)
         self.committed, self.complete = rows, True
 
@@ -343,7 +406,13 @@ class NpyFileSink:
         journal = journal_path(self.path)
         tmp = journal.with_name(f"{journal.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            state = {"config": self.config, "committed": rows, "complete": complete, "input_crc": input_crc}
+            state = {
+                "config": self.config,
+                "committed": rows,
+                "complete": complete,
+                "input_crc": input_crc,
+                "output_checks": self.checks,
+            }
             json.dump(state, f)
             f.flush()
             os.fsync(f.fileno())
@@ -360,6 +429,10 @@ class SinkGroup:
     """
 
     def __init__(self, sinks: list, pack):
+        behind = min(sinks, key=lambda s: s.committed)
+        for sink in sinks:
+            if sink.committed > behind.committed:  # killed between two commits: all continue from the one behind
+                sink.rewind(behind.committed, behind.input_crc)
         self.sinks, self.pack = sinks, pack
 
     @property
