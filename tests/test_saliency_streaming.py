@@ -244,7 +244,8 @@ def test_bad_inputs_fail_before_any_work(tmp_path, x):
     assert existing.read_bytes() == b"precious"
 
 
-def test_progress_is_a_keras_progbar(capsys, x):
+def test_progress_is_a_keras_progbar(capsys, x, monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)  # a terminal: the live bar
     effgrad.saliency(_model(), x, batch_size=10, progress=True)
     shown = capsys.readouterr().out
     assert "50/50" in shown and "/example" in shown  # Keras's bar: rows done and time per example

@@ -23,9 +23,24 @@ __all__ = ["load", "model_inputs", "cast"]
 
 
 def load(path: str):
-    """A read-only memmap of a ``.npy``, or a dict of the arrays of an ``.npz``."""
-    if not zipfile.is_zipfile(path):
-        return np.load(path, mmap_mode="r")
+    """A read-only memmap of a ``.npy``, or a dict of the arrays of an ``.npz``.
+
+    Raises:
+        ValueError: the file is neither (a clear message instead of NumPy's
+            "pickled data" or zipfile's ``BadZipFile``).
+    """
+    try:
+        if not zipfile.is_zipfile(path):
+            return np.load(path, mmap_mode="r")
+        return _load_npz(path)
+    except (ValueError, zipfile.BadZipFile, KeyError, EOFError, struct.error) as err:
+        raise ValueError(
+            f"{path} is not a readable .npy or .npz file ({type(err).__name__}: {err}). Write inputs with "
+            "np.save(path, array), or np.savez(path, name=array, ...) for a model with several inputs."
+        ) from None
+
+
+def _load_npz(path: str) -> dict:
     arrays = {}
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
@@ -113,6 +128,8 @@ def cast(inputs, casts: list[str], batch_size: int):
             dtype = np.dtype(dtype)
         except TypeError:
             raise ValueError(f"--cast {item}: {dtype!r} is not a NumPy dtype (e.g. float32).") from None
+        if name and names == [""]:
+            raise ValueError(f"--cast {item}: the model has one input, so name none: --cast {dtype}.")
         if name and name not in names:
             raise ValueError(f"--cast {item}: the model has no input {name!r}; its inputs are {names}.")
         for leaf in [name] if name else names:

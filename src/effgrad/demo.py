@@ -85,6 +85,9 @@ def run(out_dir: str = "effgrad-demo") -> dict:
     from effgrad.explain import visualize
 
     out = Path(out_dir)
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--out {out}: {blocked} is a file, not a directory; give a directory (made if missing).")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     x, y = load_digits()
@@ -117,9 +120,11 @@ def run(out_dir: str = "effgrad-demo") -> dict:
     maps_path = out / "maps.npy"
     for stale in (maps_path, maps_path.with_name(maps_path.name + ".journal.json")):
         stale.unlink(missing_ok=True)  # the demo's own output from an earlier run
+    print("   per-example maps -> maps.npy:")
     maps = effgrad.saliency(
         model, x, method="smoothgrad", samples=8, noise=0.1, reduce="abs_sum", batch_size=256, out=maps_path
     )
+    print("   per-class mean and variance maps (saliency_summary, nothing stored per example):")
     summary = effgrad.saliency_summary(model, x, reduce="abs_sum", batch_size=256)
 
     print("\n4/4 pictures")

@@ -21,6 +21,7 @@ a shuffling ``tf.data`` pipeline).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -169,7 +170,9 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
 
     job, total, indices = plan.job, plan.num_examples, plan.target.indices
     start_row = sink.committed
-    bar = keras.utils.Progbar(total, unit_name="example", verbose=1 if progress else 0)
+    # A live bar on a terminal; in a log (stdout piped) one plain line at the end, no ANSI codes.
+    verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
+    bar = keras.utils.Progbar(total, unit_name="example", verbose=verbose)
     if start_row:
         bar.update(start_row)
     stop = threading.Event()

@@ -157,6 +157,9 @@ def as_source(inputs, batch_size: int, num_examples: int | None = None, *, sever
         if first is None:
             raise ValueError("inputs is an empty tf.data.Dataset: there is nothing to explain.")
         sample = _slice(_x_of(first), 0, 1)
+        if num_examples is None and getattr(inputs, "file_paths", None) is not None:
+            # keras.utils.image/text_dataset_from_directory: one example per file, known up front.
+            num_examples = len(inputs.file_paths)
         return Source(num_examples, _with_known_shapes(spec, sample), lambda: (_x_of(e) for e in inputs), sample)
     if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes)):
         if isinstance(inputs, (list, tuple)):  # re-iterable and sized: the length is known

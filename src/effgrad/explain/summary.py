@@ -19,6 +19,23 @@ from effgrad.explain.plan import prepare
 __all__ = ["SaliencySummary", "saliency_summary"]
 
 
+class _Counts(dict):
+    """``{class: examples}``; a class that never occurred counts 0."""
+
+    def __missing__(self, key):
+        return 0
+
+
+class _Maps(dict):
+    """``{class: map}``; a class that never occurred has no map, and says which classes do."""
+
+    def __missing__(self, key):
+        raise KeyError(
+            f"class {key!r} never occurred among the explained examples (summary.count[{key!r}] == 0), so it "
+            f"has no map; classes present: {sorted(self, key=str)}."
+        )
+
+
 @dataclass
 class SaliencySummary:
     """Per-class mean and variance maps.
@@ -27,8 +44,10 @@ class SaliencySummary:
         mean: ``{class: mean map}`` (NumPy arrays). With several
             differentiated inputs each value is their nest, as
             :func:`effgrad.saliency` returns maps (e.g. ``mean[3]["image"]``).
+            Only classes that occurred have a map: ``mean[c]`` for another
+            class is a ``KeyError`` naming the classes present.
         variance: ``{class: variance map}`` (population variance), nested alike.
-        count: ``{class: number of examples}``.
+        count: ``{class: number of examples}``; 0 for a class that never occurred.
 
     With ``by_class=False`` the only key is ``"all"``.
     """
@@ -36,6 +55,9 @@ class SaliencySummary:
     mean: dict
     variance: dict
     count: dict
+
+    def __post_init__(self):
+        self.mean, self.variance, self.count = _Maps(self.mean), _Maps(self.variance), _Counts(self.count)
 
 
 class _StatisticsSink:

@@ -1,4 +1,4 @@
-"""Pictures of saliency maps: percentile-clipped images, PNG grids, token heat lines.
+"""Pictures of saliency maps: percentile-clipped images, PNG grids with a colour bar, wrapped token heat text.
 
 ``grayscale`` follows PAIR saliency's ``VisualizeImageGrayscale``: sum of
 absolute values over channels, clipped at the 99th percentile, scaled to
@@ -55,13 +55,31 @@ def _pyplot():
     return plt
 
 
-def save_tokens(path, tokens, scores, *, mask=None, signed: bool = False, percentile: float = 99) -> Path:
+def _wrap(line: list, width: int) -> list[list]:
+    """Token runs of at most ``width`` characters (a longer token gets a line of its own)."""
+    wrapped, current, used = [], [], 0
+    for text, value in line:
+        if current and used + len(text) > width:
+            wrapped.append(current)
+            current, used = [], 0
+        current.append((text, value))
+        used += len(text) + 1
+    return wrapped + [current] if current or not wrapped else wrapped
+
+
+def save_tokens(
+    path, tokens, scores, *, mask=None, signed: bool = False, percentile: float = 99, width: int = 80
+) -> Path:
     """Writes a PNG of each example's tokens on a background coloured by its score (needs matplotlib).
 
+    Tokens wrap at ``width`` characters, so a long sequence reads as a
+    paragraph at normal size; examples are separated by a rule and numbered.
+    A colour bar says what the colours mean.
+
     Example:
-        >>> scores = effgrad.saliency(classifier, inputs, layer="token_embedding", reduce="l2")
+        >>> scores = effgrad.saliency(classifier, inputs, layer="token_embedding", method="integrated_gradients")
         >>> words = [tokenizer.id_to_token(i) for i in ...]  # one list of strings per example
-        >>> visualize.save_tokens("tokens.png", words, scores, mask=inputs["padding_mask"])
+        >>> visualize.save_tokens("tokens.png", words, scores.sum(-1), mask=inputs["padding_mask"], signed=True)
 
     Args:
         path: Output ``.png`` path.
@@ -70,6 +88,7 @@ def save_tokens(path, tokens, scores, *, mask=None, signed: bool = False, percen
         mask: Optional ``[n, T]``: tokens where it is 0 (padding) are not drawn.
         signed: Diverging colours (``reduce="sum"`` keeps a sign) instead of one hue.
         percentile: Scores are scaled by this percentile of ``|scores|`` over all examples.
+        width: Characters per line before a token wraps.
     """
     plt = _pyplot()
     scores = np.asarray(scores, dtype="float32")
@@ -77,22 +96,36 @@ def save_tokens(path, tokens, scores, *, mask=None, signed: bool = False, percen
     top = np.percentile(np.abs(scores[keep]), percentile) if keep.any() else 0.0
     scaled = np.clip(scores / top, -1, 1) if top > 0 else np.zeros_like(scores)
     cmap = plt.get_cmap("bwr" if signed else "Reds")
-    lines = [
-        [(str(t), v) for t, v, k in zip(row, values, kept) if k] for row, values, kept in zip(tokens, scaled, keep)
+    examples = [
+        _wrap([(str(t), v) for t, v, k in zip(row, values, kept) if k], width)
+        for row, values, kept in zip(tokens, scaled, keep)
     ]
-    width = max((sum(len(t) + 1 for t, _ in line) for line in lines), default=1)
-    fig = plt.figure(figsize=(min(0.11 * width + 0.4, 30), 0.32 * len(lines) + 0.2))
-    ax = fig.add_axes([0, 0, 1, 1])
+    lines = sum(len(e) for e in examples) + len(examples)  # one gap line between examples
+    fig = plt.figure(figsize=(0.085 * width + 1.4, 0.3 * lines + 0.9))
+    ax = fig.add_axes([0.07, 0.9 / (0.3 * lines + 0.9), 0.9, 1 - 0.95 / (0.3 * lines + 0.9)])
     ax.set_xlim(0, width)
-    ax.set_ylim(len(lines), 0)
+    ax.set_ylim(lines, 0)
     ax.axis("off")
-    for r, line in enumerate(lines):
-        x = 0.0
-        for text, value in line:
-            colour = cmap((value + 1) / 2 if signed else value)
-            ax.text(x, r + 0.5, text, va="center", fontsize=9, family="monospace",
-                    bbox={"facecolor": colour, "edgecolor": "none", "pad": 1.5})  # fmt: skip
-            x += len(text) + 1
+    y = 0.5
+    for number, example in enumerate(examples):
+        ax.text(-1, y, f"{number}", ha="right", va="center", fontsize=8, color="0.4")
+        for line in example:
+            x = 0.0
+            for text, value in line:
+                colour = cmap((value + 1) / 2 if signed else value)
+                ax.text(x, y, text, va="center", fontsize=9, family="monospace",
+                        bbox={"facecolor": colour, "edgecolor": "none", "pad": 1.5})  # fmt: skip
+                x += len(text) + 1
+            y += 1
+        ax.axhline(y, color="0.85", linewidth=0.6)
+        y += 1
+    bar_ax = fig.add_axes([0.3, 0.25 / (0.3 * lines + 0.9), 0.4, 0.12 / (0.3 * lines + 0.9)])
+    mappable = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(-1 if signed else 0, 1))
+    bar = fig.colorbar(mappable, cax=bar_ax, orientation="horizontal")
+    bar.set_label(
+        f"score / its {percentile:g}th percentile of |score|" + (" (sign kept)" if signed else ""), fontsize=8
+    )
+    bar.ax.tick_params(labelsize=7)
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -100,7 +133,13 @@ def save_tokens(path, tokens, scores, *, mask=None, signed: bool = False, percen
 
 
 def save_grid(path, images, maps, *, titles=None, columns: int = 4, signed: bool = False) -> Path:
-    """Writes a PNG of inputs next to their maps (needs matplotlib).
+    """Writes a PNG of inputs next to their maps, with a labelled colour bar (needs matplotlib).
+
+    Each example takes two cells: the input (grayscale or RGB, its own range
+    stretched) and its map. Unsigned maps are drawn with :func:`grayscale`'s
+    scaling (|map| summed over channels, 99th percentile = 1) in the
+    ``inferno`` colour map; ``signed=True`` draws :func:`diverging`'s [-1, 1]
+    in blue-white-red. The colour bar at the bottom says which.
 
     Args:
         path: Output ``.png`` path.
@@ -108,15 +147,16 @@ def save_grid(path, images, maps, *, titles=None, columns: int = 4, signed: bool
         maps: ``[n, ...]`` maps (reduced or not).
         titles: Optional label per example.
         columns: Examples per row (each takes two cells: input, map).
-        signed: Diverging colour map (blue-white-red) instead of grayscale.
+        signed: Diverging colour map (blue-white-red, the sign kept) instead of ``inferno`` on |map|.
     """
     plt = _pyplot()
     images, maps = np.asarray(images), np.asarray(maps)
     n = len(images)
     rows = (n + columns - 1) // columns
-    fig, axes = plt.subplots(rows, 2 * columns, figsize=(2 * columns * 1.4, rows * 1.5), squeeze=False)
+    fig, axes = plt.subplots(rows, 2 * columns, figsize=(2 * columns * 1.4, rows * 1.5 + 0.6), squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
+    cmap, low = ("bwr", -1) if signed else ("inferno", 0)
     for i in range(n):
         ax_img, ax_map = axes[i // columns, 2 * (i % columns)], axes[i // columns, 2 * (i % columns) + 1]
         img = images[i].astype("float32")
@@ -124,11 +164,17 @@ def save_grid(path, images, maps, *, titles=None, columns: int = 4, signed: bool
         ax_img.imshow(img.squeeze(), cmap="gray" if img.squeeze().ndim == 2 else None)
         if titles is not None:
             ax_img.set_title(str(titles[i]), fontsize=8)
-        if signed:
-            ax_map.imshow(diverging(maps[i]), cmap="bwr", vmin=-1, vmax=1)
-        else:
-            ax_map.imshow(grayscale(maps[i]), cmap="inferno", vmin=0, vmax=1)
-    fig.tight_layout()
+        ax_map.imshow(diverging(maps[i]) if signed else grayscale(maps[i]), cmap=cmap, vmin=low, vmax=1)
+        if i < columns:
+            ax_map.set_title("saliency", fontsize=8)
+    fig.tight_layout(rect=(0, 0.6 / (rows * 1.5 + 0.6), 1, 1))
+    bar_ax = fig.add_axes([0.3, 0.2 / (rows * 1.5 + 0.6), 0.4, 0.12 / (rows * 1.5 + 0.6)])
+    bar = fig.colorbar(
+        plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(low, 1)), cax=bar_ax, orientation="horizontal"
+    )
+    label = "signed saliency / 99th pct of |map|" if signed else "|saliency| (channels summed) / its 99th percentile"
+    bar.ax.set_title(label, fontsize=8)
+    bar.ax.tick_params(labelsize=7)
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
