@@ -21,6 +21,7 @@ SUITES = [
     "saliency",
     "saliency_methods",
     "token_attribution",
+    "token_methods",
     "planning",
 ]
 

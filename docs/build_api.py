@@ -41,7 +41,7 @@ def _entry(name: str, obj) -> str:
 def render() -> str:
     parts = [
         "# API reference\n",
-        "Generated from the docstrings by `python docs/build_api.py`; the contract is `../shared/API.md`.\n",
+        "Generated from the docstrings by `python docs/build_api.py`.\n",
         "## effgrad\n",
     ]
     for name in sorted(effgrad.__all__, key=str.lower):

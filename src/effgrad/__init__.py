@@ -21,7 +21,13 @@ if "tensorflow" not in _sys.modules:
 if not _quiet.answering_help():
     with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
         from effgrad import diagnostics, memory
-        from effgrad.checkpointing import Checkpoint, checkpoint, checkpoint_model, checkpoint_sequential
+        from effgrad.checkpointing import (
+            Checkpoint,
+            CheckpointedModel,
+            checkpoint,
+            checkpoint_model,
+            checkpoint_sequential,
+        )
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.fit import attach
@@ -33,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CheckpointedModel",
     "DynamicLossScale",
     "LossScale",
     "MemoryMonitor",

@@ -49,7 +49,7 @@ import tensorflow as tf
 from effgrad import _compat, graph
 from effgrad.state import StateScope
 
-__all__ = ["checkpoint", "Checkpoint", "checkpoint_model", "checkpoint_sequential"]
+__all__ = ["checkpoint", "Checkpoint", "CheckpointedModel", "checkpoint_model", "checkpoint_sequential"]
 
 
 def _is_tensor(value) -> bool:

@@ -537,7 +537,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               (``logs["noise_scale"]``, plus ``"noise_scale_trace"`` and
               ``"noise_scale_grad_sq"``) from the micro-batch gradients the
               step computes anyway; needs ``micro_batches >= 2`` or several
-              replicas. See ``docs/noise_scale.md``.
+              replicas. See ``docs/diagnostics.md``.
             * ``on_micro_batch``: ``fn(x, y, y_pred, sample_weight)`` called
               inside the compiled step once per micro-batch (e.g. metrics).
 

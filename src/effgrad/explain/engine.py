@@ -200,7 +200,8 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
         if total is not None and end.rows != total:
             raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
         sink.finish(end.rows, end.crc)
-        bar.update(end.rows, finalize=True)
+        if total is None:  # a known total was finalized by the writer's last update
+            bar.update(end.rows, finalize=True)
 
 
 def check_inputs(plan: SaliencyPlan, sink: Sink) -> None:
