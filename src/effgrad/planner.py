@@ -226,9 +226,15 @@ class _Planner:
                 model, self.loss, optimizer, micro_batches=micro_batches, strategy=self.strategy, **self.step_options
             )
             step(self.x, self.y, self.sample_weight)  # traces, creates the optimizer state
-            start = time.perf_counter()
-            report = memory.measure(lambda: step(self.x, self.y, self.sample_weight)["loss"])
-            candidate.seconds = time.perf_counter() - start
+            # The peak varies from call to call with how the executor's threads interleave
+            # frees and allocations (more under CPU contention, e.g. parallel test workers):
+            # the larger of two calls, and the faster of their times.
+            reports, times = [], []
+            for _ in range(2):
+                start = time.perf_counter()
+                reports.append(memory.measure(lambda: step(self.x, self.y, self.sample_weight)["loss"]))
+                times.append(time.perf_counter() - start)
+            report, candidate.seconds = max(reports, key=lambda r: r.extra_bytes), min(times)
             # Resident state counted from shapes, the step's own transient peak measured: both
             # are the same whatever else this process allocated or freed before.
             state = [*model.variables, *optimizer.variables, *(step._accumulators or [])]
