@@ -10,10 +10,20 @@ import sys as _sys
 
 from effgrad import _quiet
 
-if "tensorflow" not in _sys.modules:
-    # effgrad.memory reads the allocator's peak; on CPU TensorFlow only keeps
-    # that statistic with its BFC allocator, chosen at TensorFlow start-up.
+
+def _allocator_statistics_on() -> None:
+    # effgrad.memory reads the allocator's peak; on CPU TensorFlow only keeps that
+    # statistic with its BFC allocator, which it chooses when its context starts (the
+    # first op), not at import: `import keras; import effgrad` still gets it.
+    if "tensorflow" in _sys.modules:
+        from effgrad import _compat
+
+        if _compat.context_started():
+            return  # too late: memory.measure says what to do
     _os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+
+_allocator_statistics_on()
 
 # Importing everything here registers effgrad's Keras layers, so a .keras file
 # that contains them loads after a plain `import effgrad`. `effgrad --help`

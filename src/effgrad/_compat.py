@@ -20,6 +20,7 @@ __all__ = [
     "TESTED",
     "compile_state",
     "compiled_loss",
+    "context_started",
     "functional_graph",
     "get_keras_mask",
     "get_stateless_scope",
@@ -86,6 +87,18 @@ if not all(hasattr(_Node, a) for a in ("input_tensors", "output_tensors")) or no
 
 if not callable(getattr(_TFOptimizer, "_all_reduce_sum_gradients", None)):  # pragma: no cover
     raise _missing("keras TFOptimizer._all_reduce_sum_gradients", AttributeError("not found"))
+
+
+def context_started() -> bool:
+    """Whether TensorFlow's eager context (devices, allocators) has started.
+
+    TensorFlow reads ``TF_CPU_ALLOCATOR_USE_BFC`` when its context starts (the
+    first op or device query), not at ``import tensorflow`` (measured on
+    2.21): until then effgrad can still turn CPU allocator statistics on.
+    """
+    from tensorflow.python.eager import context
+
+    return bool(getattr(context.context(), "_initialized", True))
 
 
 def in_xla_context() -> bool:

@@ -209,15 +209,6 @@ def _flat(maps) -> list:
     return list(maps) if isinstance(maps, (tuple, list)) else [maps]
 
 
-def _budget(text: str):
-    """'300MiB' stays a string; '0.8' is a fraction; '1000000' bytes."""
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if value <= 1 and "." in text else int(value)
-
-
 def _plan(args) -> int:
     import keras
     import numpy as np
@@ -254,7 +245,7 @@ def _plan(args) -> int:
     name = loss if isinstance(loss, str) else type(loss).__name__
     # Sparse losses take class ids; every other loss a target shaped like the output.
     y = np.zeros(shape[0], "int32") if "sparse" in name.lower() else np.zeros((shape[0], *outputs.shape[1:]), "float32")
-    print(effgrad.plan(model, loss, optimizer, x, y, budget=_budget(args.budget)))
+    print(effgrad.plan(model, loss, optimizer, x, y, budget=args.budget))
     return 0
 
 

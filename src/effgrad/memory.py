@@ -12,9 +12,10 @@ The device is the first GPU when there is one, else ``CPU:0``.
 
 Trap:
     On CPU TensorFlow keeps allocator statistics only with its BFC allocator,
-    chosen by ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported.
-    ``import effgrad`` sets it when TensorFlow is not loaded yet; if
-    TensorFlow was imported first, ``measure`` says so instead of guessing.
+    chosen by ``TF_CPU_ALLOCATOR_USE_BFC=true`` when TensorFlow's context
+    starts (its first op or device query, not ``import tensorflow``).
+    ``import effgrad`` sets it while that has not happened (``import keras``
+    first is fine); after it, ``measure`` says so instead of guessing.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _memory_info(device: str) -> dict:
     except ValueError as err:
         raise RuntimeError(
             f"TensorFlow keeps no allocator statistics for {device}. On CPU they need "
-            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is imported "
-            "(import effgrad before tensorflow, or export the variable)."
+            "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow runs its first op: import effgrad before "
+            "creating any tensor or model (importing keras/tensorflow first is fine), or export the variable."
         ) from err
 
 
@@ -112,7 +113,8 @@ def measure(fn: Callable, *args, device: str | None = None, **kwargs) -> MemoryR
         # first tensor before TF_CPU_ALLOCATOR_USE_BFC was set), not "free".
         raise RuntimeError(
             f"TensorFlow recorded no allocations on {device}, so there is no peak to report. On CPU "
-            "allocator statistics need TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow allocates its "
-            "first tensor: import effgrad before tensorflow, or export the variable."
+            "allocator statistics need TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow runs its first op: "
+            "import effgrad before creating any tensor or model (importing keras/tensorflow first is fine), or "
+            "export the variable."
         )
     return MemoryReport(peak_bytes=int(peak), extra_bytes=int(peak - base), device=device, result=result)

@@ -89,7 +89,13 @@ def device_memory_bytes() -> int:
 
 
 def parse_budget(budget) -> int:
-    """Bytes from an int, a string (``"300MiB"``, ``"6GiB"``, ``"2.5GB"``) or a fraction in (0, 1]."""
+    """Bytes from an int, a size string (``"300MiB"``, ``"6GiB"``, ``"2.5GB"``, ``"1000000"``) or a
+    fraction in (0, 1] of the device's memory (``0.8`` or ``"0.8"``).
+
+    A number without a unit is bytes when it is whole (``"1000000"``) and a
+    fraction when it has a decimal point (``"0.5"``); ``"1.5"`` is neither and
+    is refused, as is anything below one byte.
+    """
     if isinstance(budget, bool):
         raise ValueError(f"budget must be bytes, a size string or a fraction, got {budget!r}.")
     if isinstance(budget, (int, np.integer)):
@@ -99,14 +105,17 @@ def parse_budget(budget) -> int:
     if isinstance(budget, float):
         if not 0 < budget <= 1:
             raise ValueError(
-                f"A float budget is a fraction of the device's memory in (0, 1], got {budget}; pass bytes as an int."
+                f"A budget without a unit and with a decimal point is a fraction of the device's memory, in (0, 1]; "
+                f"got {budget}. For a size give bytes (a whole number) or a unit, e.g. '300MiB'."
             )
         return int(budget * device_memory_bytes())
     if isinstance(budget, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if match and not match.group(2) and "." in match.group(1):
+            return parse_budget(float(match.group(1)))  # "0.5": a fraction, checked as one
         if match and match.group(2).lower() in _UNITS:
             value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if value > 0:
+            if value >= 1:
                 return int(value)
     raise ValueError(
         f"budget must be bytes (int), a size like '300MiB' or '6GiB', or a fraction in (0, 1]; got {budget!r}."
@@ -197,9 +206,16 @@ class _Planner:
         )
         self.batch = int(tf.nest.flatten(self.x)[0].shape[0])
         self.strategy, self.budget, self.margin, self.step_options = strategy, budget, margin, step_options
+        # The noise scale compares micro-batch gradients: on one replica it needs 2 of them.
+        replicas = (strategy or tf.distribute.get_strategy()).num_replicas_in_sync
+        self.fewest = 2 if step_options.get("noise_scale") and replicas == 1 else 1
         self.accumulator_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)  # float32
         self.parameter_bytes = _bytes(model.variables)
-        self.snapshot = [v.numpy() for v in model.variables]
+        # Everything a candidate step may write, restored after each: the model's variables and
+        # those of a LossScale object the caller passed (its scale and growth counter).
+        scale = step_options.get("loss_scale")
+        self.state = [*model.variables, *(scale.variables if isinstance(scale, tf.Module) else ())]
+        self.snapshot = [v.numpy() for v in self.state]
         self.measured: dict[tuple, Candidate] = {}
         self._checkpointed: dict[int, keras.Model] = {}
 
@@ -252,7 +268,7 @@ class _Planner:
         return candidate
 
     def restore(self) -> None:
-        for variable, value in zip(self.model.variables, self.snapshot):
+        for variable, value in zip(self.state, self.snapshot):
             variable.assign(value)
 
     def fit_line(self, segments: int | None) -> tuple[float, float] | None:
@@ -287,7 +303,7 @@ class _Planner:
         if line is None:
             return None
         chosen = None
-        for k in _micro_batch_choices(self.batch):
+        for k in [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]:
             predicted = self.predict(line, k)
             if chosen is None and predicted <= (1 - self.margin) * self.budget:
                 measured = self.measure(k, segments)
