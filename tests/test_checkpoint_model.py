@@ -179,13 +179,16 @@ def _segment_peaks(mode: str) -> list[int]:
 
         fn = _run(grads, mode)
         fn(x)  # trace/compile outside the measurement
-        peaks.append(effgrad.memory.measure(fn, x).extra_bytes)
+        # How the executor's threads interleave frees and allocations can only raise a peak
+        # (seen: 5.8 -> 8.8 MiB on a loaded machine): the smallest of three is the computation's own.
+        peaks.append(min(effgrad.memory.measure(fn, x).extra_bytes for _ in range(3)))
     return peaks
 
 
 def _in_a_fresh_process(mode: str) -> list[int]:
-    # XLA:CPU's buffers depend on what the process ran before: measured 32.0 / 12.3 / 8.3 MiB alone,
-    # 20.3 / 16.3 / 5.8 MiB in a pytest-xdist worker after other tests. A fresh process is repeatable.
+    # Peaks depend on what the process ran before (XLA:CPU's buffers: measured 32.0 / 12.3 / 8.3 MiB
+    # alone, 20.3 / 16.3 / 5.8 MiB in a pytest-xdist worker after other tests; a test's leftover
+    # threads add to any peak). A fresh process is repeatable.
     code = (
         f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint_model as t; "
         f"print('@@' + json.dumps(t._segment_peaks({mode!r})))"
@@ -198,7 +201,7 @@ def _in_a_fresh_process(mode: str) -> list[int]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_added_memory_falls_as_segments_grow(mode):
-    peaks = _in_a_fresh_process(mode) if mode == "xla" else _segment_peaks(mode)
+    peaks = _in_a_fresh_process(mode)
     activation = BATCH * WIDTH * 4
     print(mode, [f"{p / 2**20:.1f} MiB" for p in peaks])
     if mode != "xla":  # XLA:CPU plans its own buffers: only the ordering is promised there

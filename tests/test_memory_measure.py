@@ -16,7 +16,12 @@ def _allocate(n_floats):
 
 
 def test_peak_grows_with_a_known_allocation():
-    reports = [effgrad.memory.measure(_allocate, n) for n in (1_000_000, 3_000_000, 5_000_000)]
+    # Whatever else the process runs (a test's leftover tf.data threads) can only add to a
+    # peak: the smallest of three calls is the call's own.
+    reports = [
+        min((effgrad.memory.measure(_allocate, n) for _ in range(3)), key=lambda r: r.extra_bytes)
+        for n in (1_000_000, 3_000_000, 5_000_000)
+    ]
     extras = [r.extra_bytes for r in reports]
     assert extras[0] >= 4_000_000
     # Each step adds 2M floats = 8 MB to the buffer that must be alive at the peak; after other

@@ -3,6 +3,8 @@
 ``measure(fn, *args)`` resets the allocator's peak counter, runs ``fn`` once,
 waits for its results and reads the peak back::
 
+    collect Python garbage (so a collection during the call cannot free
+        earlier tensors and hide what the call allocates)
     base = current bytes before the call
     reset peak; result = fn(*args); block until result is computed
     peak_bytes  = allocator peak during the call (absolute, includes `base`)
@@ -21,6 +23,7 @@ Trap:
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +105,7 @@ def measure(fn: Callable, *args, device: str | None = None, **kwargs) -> MemoryR
         A :class:`MemoryReport`.
     """
     device = device or default_device()
+    gc.collect()
     base = _memory_info(device)["current"]
     tf.config.experimental.reset_memory_stats(device)
     result = fn(*args, **kwargs)
