@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["batch_size", "rows", "accumulate_gradients", "make_accumulators"]
+__all__ = ["batch_size", "rows", "dense", "accumulate_gradients", "make_accumulators"]
 
 
 def batch_size(batch) -> tf.Tensor:
@@ -56,6 +56,17 @@ def rows(batch, start, stop=None, size=None):
 
         return tf.nest.map_structure(lambda t: None if t is None else cut(t), batch)
     return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], batch)
+
+
+def dense(grads: Sequence) -> list:
+    """Gradients with every ``IndexedSlices`` made dense (None kept).
+
+    An embedding's gradient arrives as IndexedSlices, one row per token. Made
+    dense (duplicate rows summed: the gradient itself), every micro_batches
+    gives the optimizer the same gradient; Keras's Adam would square each
+    duplicate row separately at k=1 only.
+    """
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
@@ -114,14 +125,7 @@ def accumulate_gradients(
     def differentiate(batch_i, carry):
         with tf.GradientTape() as tape:
             objective, carry = micro_step(batch_i, carry)
-        # An embedding's gradient arrives as IndexedSlices, one row per token.
-        # Made dense here (duplicate rows summed: the gradient itself), so
-        # every micro_batches gives the optimizer the same gradient; Keras's
-        # Adam would square each duplicate row separately at k=1 only.
-        grads = [
-            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-            for g in tape.gradient(objective, variables)
-        ]
+        grads = dense(tape.gradient(objective, variables))
         if on_gradients is not None:
             carry = on_gradients(grads, carry)
         return grads, carry

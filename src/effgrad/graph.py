@@ -31,7 +31,7 @@ import numpy as np
 
 from effgrad import _compat
 
-__all__ = ["Graph", "layer_graph", "choose_boundaries"]
+__all__ = ["Graph", "layer_graph", "choose_boundaries", "activation_bytes_per_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,3 +181,15 @@ def choose_boundaries(graph: Graph, segments: int) -> list[int]:
         best = min(usable, key=lambda k: abs(at_cuts[k] - total * j / segments))
         chosen.append(graph.cuts[best])
     return chosen
+
+
+def activation_bytes_per_row(model) -> int | None:
+    """Rough bytes of activations one example keeps for backprop (float32), or None if unknown.
+
+    From the static output shapes of the layer calls (see :func:`layer_graph`);
+    None for models whose layer graph Keras does not record (subclassed).
+    """
+    try:
+        return 4 * sum(layer_graph(model).sizes)
+    except (TypeError, ValueError, AttributeError):
+        return None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from effgrad import _checks, _compat, accumulate, diagnostics, distribute, losses, state
+from effgrad import _checks, _compat, accumulate, diagnostics, distribute, graph, losses, state
 from effgrad import loss_scale as loss_scale_lib
 
 __all__ = ["StepOptions", "TrainStep", "build_train_step"]
@@ -62,9 +63,14 @@ class StepOptions:
     # False: a batch whose weights sum to 0 is still applied (regularizers, optimizer
     # moments, statistics), as stock Keras fit applies it; attach sets this.
     skip_zero_weight_batches: bool = True
+    # True: with one micro-batch, each variable's update runs as backprop makes its
+    # gradient (two backward passes when a global quantity gates the step).
+    fused_update: bool | str = "auto"
 
     def __post_init__(self):
         hint = " (1 = no accumulation)"
+        if self.fused_update not in (True, False, "auto") or not isinstance(self.fused_update, (bool, str)):
+            raise ValueError(f'fused_update must be True, False or "auto", got {self.fused_update!r}.')
         object.__setattr__(self, "micro_batches", _checks.positive_int(self.micro_batches, "micro_batches", hint))
         if self.clip_norm is not None:
             if (
@@ -178,6 +184,9 @@ class TrainStep:
         # -> 1.8 s for the first call of a 16-layer MLP step).
         self._compute = tf.function(self._compute_gradients, jit_compile=self.options.jit_compile, autograph=False)
         self._step = tf.function(self._distributed_step, autograph=False)
+        self._fused_fn = tf.function(self._fused_step, jit_compile=self.options.jit_compile, autograph=False)
+        self.fused: bool | None = None  # decided at the first trace (see _decide_fused)
+        self.rows_hint: int | None = None  # the first batch's rows, for fused_update="auto"
         if getattr(model, "built", False):
             self._prepare()
 
@@ -222,6 +231,8 @@ class TrainStep:
         if not self._ready:
             self._prepare(x)
         if not distributed:
+            if self.rows_hint is None:
+                self.rows_hint = (_leading_dims(x) or [None])[0]
             specs = tf.nest.map_structure(_relaxed_spec, (x, y, sample_weight))
             key = repr(specs)
             if key not in self._signatures:
@@ -355,6 +366,10 @@ class TrainStep:
         ctx = tf.distribute.get_replica_context()
         if shard:
             x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
+        if self.fused is None:
+            self.fused = self._decide_fused((_leading_dims(x) or [self.rows_hint])[0])
+        if self.fused:
+            return self._fused_fn(x, y, sample_weight)
         grads, total, normalizer, pending, noise, local_rows, reg_loss, reg_grads = self._compute(x, y, sample_weight)
         variables = self.model.trainable_variables
         connected = [i for i, g in enumerate(grads) if g is not None or i in reg_grads]
@@ -408,6 +423,124 @@ class TrainStep:
         if self.noise_scale is not None:
             logs.update(self._update_noise_scale(noise, summed, per_loss, normalizer, finite & has_weight))
         return logs
+
+    def _decide_fused(self, rows: int | None) -> bool:
+        """Whether one micro-batch applies each update as backprop makes its gradient (two passes).
+
+        Gathering every gradient before the one update costs a gradient-sized
+        buffer more than Keras's step when the gradients outweigh the
+        activations freed while they are made (fine-tuning: weights >>
+        activations); the fused step avoids it for a second backward pass.
+        """
+        option = self.options.fused_update
+        if option is False or self.micro_batches > 1:
+            # With micro-batches the accumulators hold the one gradient-sized buffer anyway.
+            return False
+        why_not = None
+        if self.strategy.num_replicas_in_sync > 1:
+            why_not = (
+                "with several replicas the gradients are all-reduced before any update, which gathers them; "
+                "use micro_batches >= 2 (the accumulators are the floor) or fused_update=False"
+            )
+        elif getattr(self.optimizer, "global_clipnorm", None):
+            why_not = (
+                "the optimizer's global_clipnorm needs every gradient before any update; use "
+                "build_train_step(clip_norm=...) instead (computed in the first backward pass)"
+            )
+        if why_not is not None:
+            if option is True:
+                raise ValueError(f"fused_update=True cannot apply updates inside backward here: {why_not}.")
+            return False
+        if option is True:
+            return True
+        per_row = graph.activation_bytes_per_row(self.model)
+        if per_row is None or rows is None:
+            return False
+        gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in self.model.trainable_variables)
+        return gradient_bytes > per_row * rows
+
+    def _fused_step(self, x, y, sample_weight):
+        """One micro-batch on one replica, each variable updated as backprop makes its gradient.
+
+        Algorithm (LOMO's two passes, Lv et al. 2024)::
+
+            forward once, keeping the tape
+            pass 1: backprop; each gradient is reduced at once to a finiteness
+                    flag (and a squared norm for clip_norm), then freed
+            if every flag is finite (and the batch has weight):
+                pass 2: backprop again; each variable's final gradient
+                        (unscaled, regularized, clipped) goes to the optimizer
+                        the moment it exists, so only a few are ever alive
+                commit the forward pass's state (BatchNorm statistics)
+            loss_scale.update(finite)
+
+        Same update as the gathered step, and a skipped step still changes
+        nothing; the price is one more backward pass. Pass 2 runs inside a
+        ``tf.cond`` on the flags, so neither Grappler nor XLA merges it with
+        pass 1 (which would gather the gradients again).
+        """
+        variables = self.model.trainable_variables
+        local_rows = tf.cast(tf.maximum(accumulate.batch_size(x), 1), tf.float32)
+        written: set[int] = set()
+        stray: list = []
+        zero = tf.zeros([], tf.float32)
+        carry = (zero, zero, [tf.convert_to_tensor(v) for v in self._state_variables], {})
+        with tf.GradientTape(persistent=True) as tape:
+            objective, (total, normalizer, pending, _) = self._micro_step(local_rows, written, stray)(
+                (x, y, sample_weight), carry
+            )
+        self._written = [self._state_variables[i] for i in sorted(written)] + [v for v, _ in stray]
+        pending = [pending[i] for i in sorted(written)] + [value for _, value in stray]
+        first = accumulate.dense(tape.gradient(objective, variables))
+        regularized = dict(_regularized(variables))
+        connected = [i for i, g in enumerate(first) if g is not None or i in regularized]
+        self._warn_unconnected(variables, connected)
+        trained = [variables[i] for i in connected]
+
+        def loss_grads(grads):
+            return [tf.zeros(v.shape, tf.float32) if g is None else g for v, g in zip(trained, grads)]
+
+        def regularizer_grads(grads):
+            # Each after its variable's loss gradient: computed up front they would all be alive at once.
+            reg = {}
+            for j, (i, g) in enumerate(zip(connected, grads)):
+                if i in regularized:
+                    with tf.control_dependencies([g]), tf.GradientTape() as t:
+                        value = tf.cast(regularized[i].regularizer(regularized[i]), tf.float32)
+                    reg[j] = t.gradient(value, regularized[i])
+            return reg
+
+        per_loss = None if isinstance(self.loss_scale, loss_scale_lib.NoLossScale) else 1.0 / self.loss_scale.value
+        summed = loss_grads([first[i] for i in connected])
+        reg = regularizer_grads(summed)
+        finite = tf.reduce_all(
+            [tf.math.is_finite(tf.reduce_sum(g)) for g in summed + list(reg.values())]
+            + ([] if per_loss is None else [tf.math.is_finite(per_loss)])
+        )
+        clip = self._clip_factor(summed, reg, per_loss)
+        reg_loss = tf.zeros([], tf.float32)
+        if regularized:
+            reg_loss = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized.values()])
+        has_weight = tf.constant(True)
+        if self.reduction == "mean_with_sample_weight" and self.options.skip_zero_weight_batches:
+            has_weight = normalizer > 0
+
+        def apply():
+            second = loss_grads(accumulate.dense(tape.gradient(objective, trained)))
+            again = regularizer_grads(second)
+            grads = [self._combine(g, again.get(j), per_loss, clip) for j, g in enumerate(second)]
+            with _compat.gradients_already_reduced(self.optimizer):
+                self.optimizer.apply(grads, trained)
+            for variable, value in zip(self._written, pending):
+                variable.assign(value)
+            return tf.constant(True)
+
+        applied = tf.cond(finite & has_weight, apply, lambda: tf.constant(False))
+        with tf.control_dependencies([applied]):
+            updated = tf.cond(has_weight, lambda: self._update_loss_scale(finite), lambda: tf.constant(False))
+        with tf.control_dependencies([updated]):
+            loss = tf.identity(losses.normalize(total, normalizer, self.reduction) + reg_loss)
+            return {"loss": loss, "loss_scale": tf.identity(self.loss_scale.value), "grads_finite": finite}
 
     def _update_noise_scale(self, noise, summed, per_loss, normalizer, applied) -> dict:
         """Folds this step's estimate into the moving averages (skipped steps do not count)."""

@@ -1,0 +1,229 @@
+"""fused_update: each variable's update as backprop makes its gradient, the same update as the gathered step."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+from helpers import mlp, plain_step
+
+
+def _masked_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(9, 6, mask_zero=True)(tokens)
+    h = keras.layers.Dense(6, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01))(h)
+    return keras.Model(tokens, keras.layers.Dense(4)(h))
+
+
+def _bn_dropout_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, kernel_regularizer=keras.regularizers.L2(0.05)),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _state(model, optimizer):
+    return [v.numpy().copy() for v in [*model.variables, *optimizer.variables]]
+
+
+def _run(fused, make, optimizer, batches, jit_compile, seed_offset=0, **options):
+    model, opt = make(), optimizer()
+    keras.utils.set_random_seed(1 + seed_offset)  # the same dropout draws for both steps
+    step = effgrad.build_train_step(
+        model, options.pop("loss", "mse"), opt, fused_update=fused, jit_compile=jit_compile, **options
+    )
+    logs = [step(*batch) for batch in batches]
+    assert step.fused is fused
+    return model, opt, logs
+
+
+CASES = {
+    "adam-weights-bn-dropout-l2": (_bn_dropout_model, lambda: keras.optimizers.Adam(0.05), {}, "dense"),
+    "sgd-clip": (mlp, lambda: keras.optimizers.SGD(0.5), {"clip_norm": 0.05}, "dense"),
+    "adamw-mask-l2-embedding": (
+        _masked_model,
+        lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1),
+        {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        "tokens",
+    ),
+    "lion-static-scale": (mlp, lambda: keras.optimizers.Lion(0.01), {"loss_scale": 128.0}, "dense"),
+    "rmsprop-sum": (mlp, lambda: keras.optimizers.RMSprop(0.01), {"reduction": "sum"}, "dense"),
+}
+
+
+def _batches(rng, kind):
+    if kind == "tokens":
+        out = []
+        for _ in range(2):
+            x = rng.integers(1, 9, size=(6, 5)).astype("int32")
+            x[:, 3:] = 0  # padding, masked out of the loss
+            out.append((x, rng.integers(0, 4, size=(6, 5)), rng.uniform(0.5, 2, size=6).astype("float32")))
+        return out
+    return [
+        (
+            rng.normal(size=(n, 5)).astype("float32"),
+            rng.normal(size=(n, 3)).astype("float32"),
+            rng.uniform(0.0, 2.0, size=n).astype("float32"),
+        )
+        for n in (12, 7)  # a second, smaller batch: no retrace, same result
+    ]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_update_equals_the_gathered_step(rng, case, jit_compile):
+    make, optimizer, options, kind = CASES[case]
+    batches = _batches(rng, kind)
+    fused_model, fused_opt, fused_logs = _run(True, make, optimizer, batches, jit_compile, **dict(options))
+    model, opt, logs = _run(False, make, optimizer, batches, jit_compile, **dict(options))
+    assert_variables_close(fused_model.variables, model.variables, rtol=1e-5, atol=1e-6)
+    assert_variables_close(fused_opt.variables, opt.variables, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_logs, logs):
+        np.testing.assert_allclose(float(a["loss"]), float(b["loss"]), rtol=1e-5)
+
+
+def test_fused_update_equals_a_plain_tape_in_eager_too(rng):
+    x, y = rng.normal(size=(10, 5)).astype("float32"), rng.normal(size=(10, 3)).astype("float32")
+    reference, ref_opt = mlp(), keras.optimizers.Adam(0.1)
+    plain_step(reference, keras.losses.MeanSquaredError(reduction=None), ref_opt, x, y)
+    tf.config.run_functions_eagerly(True)
+    try:
+        model = mlp()
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(0.1), fused_update=True)
+        step(x, y)
+    finally:
+        tf.config.run_functions_eagerly(False)
+    assert step.fused
+    assert_variables_close(model.trainable_variables, reference.trainable_variables, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+def test_fused_non_finite_step_changes_nothing_and_backs_off(rng, jit_compile):
+    model, opt = _bn_dropout_model(), keras.optimizers.Adam(0.01)
+    step = effgrad.build_train_step(model, "mse", opt, fused_update=True, loss_scale="dynamic", jit_compile=jit_compile)
+    x, y = rng.normal(size=(8, 5)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    step(x, y)
+    before, iterations, scale = _state(model, opt), int(opt.iterations), float(step.loss_scale.value)
+    bad = x.copy()
+    bad[3, 1] = np.inf
+    logs = step(bad, y)
+    assert not bool(logs["grads_finite"])
+    for a, b in zip(_state(model, opt), before):  # BatchNorm statistics and Adam moments included
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.iterations) == iterations and float(step.loss_scale.value) == scale / 2
+    assert bool(step(x, y)["grads_finite"]) and int(opt.iterations) == iterations + 1
+
+
+def test_float16_gradients_that_underflow_without_the_scale_are_kept(rng):
+    """Under mixed_float16 the fused step scales the loss: without it these gradients are 0 in float16."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(1.0), fused_update=True)
+        x, y = np.full((4, 4), 1e-4, "float32"), np.full((4, 1), 1e-4, "float32")
+        step(x, y)  # d loss / d kernel = -2e-8: 0 in float16 unless the loss is scaled
+        assert step.fused and float(step.loss_scale.value) > 1
+        np.testing.assert_allclose(model.layers[0].kernel.numpy(), 2e-8, rtol=0.05)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_auto_fuses_where_weights_outweigh_activations():
+    wide = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(256)])
+    step = effgrad.build_train_step(wide, "mse", keras.optimizers.SGD(0.1))
+    step(np.ones((4, 256), "float32"), np.ones((4, 256), "float32"))  # 4 rows: weights dominate
+    assert step.fused is True
+    narrow = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(8)])
+    step = effgrad.build_train_step(narrow, "mse", keras.optimizers.SGD(0.1))
+    step(np.ones((512, 8), "float32"), np.ones((512, 8), "float32"))  # activations dominate
+    assert step.fused is False
+    step = effgrad.build_train_step(wide, "mse", keras.optimizers.SGD(0.1), micro_batches=2)
+    step(np.ones((4, 256), "float32"), np.ones((4, 256), "float32"))
+    assert step.fused is False  # the accumulators are the one gradient-sized buffer already
+
+
+def test_attach_with_fused_update_trains_like_stock_fit(rng):
+    x, y = rng.normal(size=(24, 5)).astype("float32"), rng.normal(size=(24, 3)).astype("float32")
+    stock, ours = mlp(), mlp()
+    for model in (stock, ours):
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    effgrad.attach(ours, fused_update=True)
+    h_stock = stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    h_ours = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert ours.effgrad_step.fused
+    assert_variables_close(ours.trainable_variables, stock.trainable_variables, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+
+
+def test_what_cannot_be_fused_is_refused_with_the_reason(rng):
+    with pytest.raises(ValueError, match="fused_update must be"):
+        effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.1), fused_update="yes")
+    step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.1, global_clipnorm=1.0), fused_update=True)
+    with pytest.raises(ValueError, match="global_clipnorm"):
+        step(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model, opt = mlp(), keras.optimizers.SGD(0.1)
+    step = effgrad.build_train_step(model, "mse", opt, fused_update=True, strategy=strategy)
+    with pytest.raises(ValueError, match="several replicas"):
+        step(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
+    auto = effgrad.build_train_step(model, "mse", opt, strategy=strategy)  # auto: gathers, and says nothing
+    auto(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
+    assert auto.fused is False
+
+
+# ------------------------------------------------------------------ memory
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import effgrad, keras, tensorflow as tf
+    method, optimizer = sys.argv[1], sys.argv[2]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(6)])
+    x, y = tf.random.normal([16, 1024]), tf.random.normal([16, 1024])  # weights (24 MiB) >> activations
+    opt = keras.optimizers.SGD(1e-3) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    if method == "keras":
+        model.compile(optimizer=opt, loss="mse")
+        run = lambda: model.train_on_batch(x, y)
+    else:
+        step = effgrad.build_train_step(model, "mse", opt, fused_update={"fused": True, "gathered": False}[method])
+        run = lambda: step(x, y)["loss"]
+    run()
+    print("@@" + json.dumps(effgrad.memory.measure(run).peak_bytes))
+    """
+)
+
+
+def _peak(method, optimizer):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, method, optimizer], capture_output=True, text=True, env=env, timeout=300
+    )
+    found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
+    assert found, done.stderr[-3000:]
+    return found[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fused_step_holds_no_more_than_keras_where_gathering_holds_a_gradient_more(optimizer):
+    peaks = {method: _peak(method, optimizer) for method in ("keras", "fused", "gathered")}
+    gradients = 6 * (1024 * 1024 + 1024) * 4
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
+    assert peaks["fused"] <= 1.05 * peaks["keras"], peaks
+    assert peaks["gathered"] >= peaks["fused"] + 0.4 * gradients, peaks  # the feature is what saves it
