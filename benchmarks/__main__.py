@@ -12,6 +12,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 SUITES = [
     "accumulation",
+    "step_floor",
     "loss_scaling",
     "diagnostics",
     "checkpointing",

@@ -171,13 +171,12 @@ def test_attach_with_fused_update_trains_like_stock_fit(rng):
     np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
 
 
-def test_what_cannot_be_fused_is_refused_with_the_reason(rng):
+def test_what_cannot_be_fused_is_refused_with_the_reason(strategy):
     with pytest.raises(ValueError, match="fused_update must be"):
         effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.1), fused_update="yes")
     step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.1, global_clipnorm=1.0), fused_update=True)
     with pytest.raises(ValueError, match="global_clipnorm"):
         step(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model, opt = mlp(), keras.optimizers.SGD(0.1)
     step = effgrad.build_train_step(model, "mse", opt, fused_update=True, strategy=strategy)

@@ -4,11 +4,11 @@ Algorithm (``k`` = ``micro_batches``, ``B`` = rows of this batch)::
 
     m = max(ceil(B / k), 1)            # rows per micro-batch
     n = ceil(B / m)                    # micro-batches (<= k); the last may be short
-    acc = 0                            # float32 variables, one per trainable variable
+    acc = float32 variables, one per trainable variable (never zeroed)
     for i in range(n):                 # one tf.while_loop, one iteration at a time
         objective, carry = micro_step(batch[i*m : min(i*m + m, B)], carry)
         for each variable j, as soon as its gradient arrives:
-            acc[j] += d objective / d variable_j       # in place: assign_add
+            acc[j] = g if i == 0 else acc[j] + g       # g = d objective / d variable_j; in place
 
 The accumulator is ONE gradient-sized buffer updated in place. A
 loop-carried tensor (``acc = acc + g``) would allocate a new buffer per add
@@ -109,7 +109,7 @@ def accumulate_gradients(
         micro_batches: ``k >= 1``.
         carry: The initial carry.
         accumulators: ``make_accumulators(variables)``; required when ``k > 1``.
-            They must hold zeros on entry.
+            What they hold on entry is overwritten by the first micro-batch.
         static_shapes: Keep every slice's shape static (XLA).
         on_gradients: Optional ``(grads, carry) -> carry`` called with each
             micro-batch's gradients as they arrive (e.g. to sum their squared
@@ -137,10 +137,19 @@ def accumulate_gradients(
 
     connected = []  # which variables get a gradient, seen while tracing
 
-    def add(batch_i, carry):
+    def add(i, batch_i, carry):
         grads, carry = differentiate(batch_i, carry)
         connected[:] = [g is not None for g in grads]
-        updates = [acc.assign_add(tf.cast(g, tf.float32)) for acc, g in zip(accumulators, grads) if g is not None]
+        # The first micro-batch overwrites: no zeroing pass (a zero buffer per variable) between steps.
+        updates = [
+            tf.cond(
+                i > 0,
+                lambda acc=acc, g=g: acc.assign_add(tf.cast(g, tf.float32), read_value=False),
+                lambda acc=acc, g=g: acc.assign(tf.cast(g, tf.float32), read_value=False),
+            )
+            for acc, g in zip(accumulators, grads)
+            if g is not None
+        ]
         return updates, carry
 
     total = batch_size(batch)
@@ -154,7 +163,7 @@ def accumulate_gradients(
             batch_i = rows(batch, start, size=per_micro)
         else:
             batch_i = rows(batch, start, tf.minimum(start + per_micro, total))
-        updates, carry = add(batch_i, carry)
+        updates, carry = add(i, batch_i, carry)
         # The next micro-batch's slice waits for this one's updates, so at
         # most one micro-batch's activations are alive. (parallel_iterations=1
         # would also do that, but it throttles TF's op parallelism: 1.8x slower.)
@@ -164,7 +173,7 @@ def accumulate_gradients(
     _, carry = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), carry))
     if static_shapes:  # the last, maybe short, micro-batch with its own static shape
         start = (num_micro - 1) * per_micro
-        updates, carry = add(rows(batch, start, total), carry)
+        updates, carry = add(num_micro - 1, rows(batch, start, total), carry)
         with tf.control_dependencies(updates):
             carry = tf.nest.map_structure(tf.identity, carry)
     with tf.control_dependencies(tf.nest.flatten(carry)):
