@@ -153,6 +153,16 @@ def compiled_loss(model):
     return loss
 
 
+def loss_weights(model):
+    """``compile(loss_weights=...)``, or None."""
+    return getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+
+
+def has_compiled_metrics(model) -> bool:
+    """Whether ``compile`` was given metrics or weighted_metrics (they read ``y_pred``)."""
+    return getattr(model, "_compile_metrics", None) is not None
+
+
 @contextlib.contextmanager
 def recording_compiled_loss(loss, recorder):
     """Runs Keras's ``CompileLoss`` with each term's loss replaced by ``recorder(loss, loss_weight)``.

@@ -102,7 +102,9 @@ def _attach(model, given: dict, forward) -> keras.Model:
     def update_metrics(x, y, y_pred, sample_weight):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    step = TrainStep(forward, objective, model.optimizer, on_micro_batch=update_metrics, **options)
+    # Without compiled metrics nothing reads y_pred: the loss may then be fused with the last layer.
+    on_micro_batch = update_metrics if _compat.has_compiled_metrics(model) else None
+    step = TrainStep(forward, objective, model.optimizer, on_micro_batch=on_micro_batch, **options)
     compiled_with = _compat.compile_state(model)
 
     def train_step(data):
@@ -143,7 +145,38 @@ def _attach(model, given: dict, forward) -> keras.Model:
     model.make_train_function = make_train_function
     model.effgrad_step = step
     model.train_function = None  # rebuilt by the next fit()
+    _tell_rows_at_fit(model)
     return model
+
+
+def _tell_rows_at_fit(model) -> None:
+    """``fused_update="auto"`` weighs gradients against the activations of a batch's rows, which the
+    step fit traces does not know (its batch dimension is None): fit tells it before the first trace."""
+    if "fit" in vars(model):  # a planned attach waiting for its fit, or already told
+        return
+    original_fit = type(model).fit
+
+    def fit(x=None, y=None, batch_size=None, *args, **kwargs):
+        step = model.effgrad_step
+        if step.fused is None and step.rows_hint is None:
+            step.rows_hint = _first_rows(x, batch_size)
+        return original_fit(model, x, y, batch_size, *args, **kwargs)
+
+    model.fit = fit
+
+
+def _first_rows(x, batch_size) -> int | None:
+    """Rows of fit's first batch (a dataset of unknown batch size yields one batch to tell)."""
+    if isinstance(x, tf.data.Dataset):
+        leaves = tf.nest.flatten(x.element_spec)
+        if leaves and leaves[0].shape.rank and leaves[0].shape[0] is not None:
+            return leaves[0].shape[0]
+        first = tf.nest.flatten(next(iter(x.take(1)), None))  # .batch(n) leaves the size unknown
+        return int(first[0].shape[0]) if first and first[0] is not None and first[0].shape.rank else None
+    leaves = tf.nest.flatten(x)
+    if leaves and all(getattr(leaf, "shape", None) for leaf in leaves):
+        return min(batch_size or 32, int(leaves[0].shape[0]))
+    return None
 
 
 def _first_batch(x, y, sample_weight, batch_size):

@@ -236,9 +236,12 @@ class Objective:
     :meth:`of_compiled` (what ``model.compile`` was given, ``attach``).
     """
 
-    def __init__(self, evaluate: Callable, reduction: str):
+    def __init__(self, evaluate: Callable, reduction: str, single=None):
         self._evaluate = evaluate  # (y, y_pred, sample_weight) -> list[Term]
         self.reduction = reduction
+        # The one loss function (a Keras loss, a name or a callable) when there is one term
+        # and no loss weight: what a fused loss can replace.
+        self.single = single
 
     @classmethod
     def of_loss(cls, loss, reduction: str) -> Objective:
@@ -249,7 +252,23 @@ class Objective:
         def evaluate(y, y_pred, sample_weight):
             return [_evaluate(fn, reduction, y, y_pred, sample_weight)]
 
-        return cls(evaluate, reduction)
+        return cls(evaluate, reduction, single=loss)
+
+    @classmethod
+    def of_head(cls, head, loss, reduction: str) -> Objective:
+        """``loss`` (a ``SparseCategoricalCrossentropy(from_logits=True)``) fused with ``head``'s projection.
+
+        The step then calls the model's trunk and passes its hidden states
+        where ``y_pred`` would be: the logits are never made
+        (:mod:`effgrad.fused_loss`).
+        """
+        reduction = check_reduction(reduction)
+
+        def evaluate(y, hidden, sample_weight):
+            values = head.losses(hidden, y, ignore_class=loss.ignore_class)
+            return [Term(values, sample_weight, keras_mask(hidden, values), reduction)]
+
+        return cls(evaluate, reduction, single=loss)
 
     @classmethod
     def of_compiled(cls, model, reduction: str | None = None) -> Objective:
@@ -281,7 +300,8 @@ class Objective:
                 compiled(y, y_pred, sample_weight)
             return terms
 
-        return cls(evaluate, reduction or reduction_of(model.loss))
+        single = model.loss if isinstance(model.loss, keras.losses.Loss) and not _compat.loss_weights(model) else None
+        return cls(evaluate, reduction or reduction_of(model.loss), single=single)
 
     def sums(self, y, y_pred, sample_weight, *, exact: bool):
         """``(total, normalizer)`` of one micro-batch; ``L = normalize(sum total, sum normalizer)``.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from effgrad import _checks, _compat, accumulate, diagnostics, distribute, graph
 from effgrad import loss_scale as loss_scale_lib
 
 __all__ = ["StepOptions", "TrainStep", "build_train_step"]
+
+_log = logging.getLogger("effgrad")
 
 # How often (in calls) the step reads the loss-scale state to warn about a
 # collapsed scale; reading it every call would force a device sync.
@@ -66,11 +69,15 @@ class StepOptions:
     # True: with one micro-batch, each variable's update runs as backprop makes its
     # gradient (two backward passes when a global quantity gates the step).
     fused_update: bool | str = "auto"
+    # "auto"/True: a sparse cross-entropy on a final projection is computed in chunks (effgrad.fused_loss).
+    fused_loss: bool | str = "auto"
 
     def __post_init__(self):
         hint = " (1 = no accumulation)"
-        if self.fused_update not in (True, False, "auto") or not isinstance(self.fused_update, (bool, str)):
-            raise ValueError(f'fused_update must be True, False or "auto", got {self.fused_update!r}.')
+        for name in ("fused_update", "fused_loss"):
+            value = getattr(self, name)
+            if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+                raise ValueError(f'{name} must be True, False or "auto", got {value!r}.')
         object.__setattr__(self, "micro_batches", _checks.positive_int(self.micro_batches, "micro_batches", hint))
         if self.clip_norm is not None:
             if (
@@ -147,6 +154,8 @@ class TrainStep:
         strategy: The ``tf.distribute.Strategy`` the step runs under.
         trace_count: How often the step function has been traced (a step
             traces once per input structure/dtype; batch size never retraces).
+        fused: Whether updates run inside backward (``fused_update``); None
+            until the first call decides.
     """
 
     def __init__(self, model, loss, optimizer, **options):
@@ -163,6 +172,9 @@ class TrainStep:
             self.reduction = loss.reduction
         else:
             self._objective = losses.Objective.of_loss(loss, self.reduction)
+        self._forward = model  # the model, or its trunk when the loss is fused with its last layer
+        self.fused_loss: bool | None = None  # decided when the model is built (see _fuse_loss)
+        self.fused_loss_reason = ""
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.trace_count = 0
         self._calls = 0
@@ -216,7 +228,42 @@ class TrainStep:
             if self.options.noise_scale and self.noise_scale is None:
                 self.noise_scale = diagnostics.GradientNoiseScale()
         self._state_variables = list(self.model.non_trainable_variables)
+        if self.fused_loss is None:
+            self._fuse_loss()
         self._ready = True
+
+    def _fuse_loss(self) -> None:
+        """Computes a sparse cross-entropy on the model's final projection in chunks, if it applies."""
+        option, why_not = self.options.fused_loss, None
+        loss = self._objective.single
+        if isinstance(loss, str):
+            loss = keras.losses.get(loss)
+        if option is False:
+            why_not = "fused_loss=False"
+        elif not (isinstance(loss, keras.losses.SparseCategoricalCrossentropy) and loss.from_logits):
+            why_not = f"the loss is {type(loss).__name__}, not SparseCategoricalCrossentropy(from_logits=True)"
+        elif self.options.on_micro_batch is not None:
+            why_not = "metrics read the logits of every micro-batch (compile without metrics to fuse)"
+        else:
+            from effgrad import fused_loss
+
+            head = fused_loss.find_head(self.model)
+            if isinstance(head, str):
+                why_not = head
+        self.fused_loss = why_not is None
+        if why_not is not None:
+            self.fused_loss_reason = f"fused loss not used: {why_not}."
+            if option is True:
+                raise ValueError(f"fused_loss=True cannot apply: {why_not}.")
+        else:
+            self._objective = losses.Objective.of_head(head, loss, self.reduction)
+            self._forward = head.trunk
+            vocabulary = head.kernel().shape[0 if head.transposed else 1]
+            self.fused_loss_reason = (
+                f"fused loss: {head.layer.name} ({vocabulary:,} classes) and the cross-entropy computed in "
+                "chunks of rows; the logits are never made."
+            )
+        _log.info("effgrad: %s", self.fused_loss_reason)
 
     def __call__(self, x, y, sample_weight=None) -> dict:
         """Runs one optimizer update on the batch ``(x, y, sample_weight)``.
@@ -277,7 +324,7 @@ class TrainStep:
             x, y, sample_weight = batch
             total, normalizer, pending, noise = carry
             with state.StateScope(zip(state_variables, pending), collect_losses=True) as scope:
-                y_pred = self.model(x, training=True)
+                y_pred = self._forward(x, training=True)
             indices, others = state.written_in(scope, state_variables)
             written.update(indices)
             pending = [scope.get_current_value(v) for v in state_variables]
@@ -629,7 +676,8 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
     The update equals the plain full-batch update of
     ``L = sum(w * l) / sum(w) + regularization`` for any batch size and any
     ``micro_batches``; only one micro-batch's activations and one
-    gradient-sized float32 accumulator are in memory at a time.
+    gradient-sized float32 accumulator are in memory at a time (with one
+    micro-batch, where weights dominate, not even that: ``fused_update``).
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -672,6 +720,14 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               replicas. See ``docs/diagnostics.md``.
             * ``on_micro_batch``: ``fn(x, y, y_pred, sample_weight)`` called
               inside the compiled step once per micro-batch (e.g. metrics).
+            * ``fused_update``: with one micro-batch on one replica, apply each
+              variable's update as backprop makes its gradient instead of
+              gathering every gradient first (LOMO's two backward passes: the
+              first only decides finiteness and the clip norm, so a skipped
+              step still changes nothing). ``"auto"`` (default) fuses when the
+              gradients outweigh the activations (fine-tuning: the peak drops
+              to Keras's, for a second backward pass); ``True`` always,
+              ``False`` never. ``step.fused`` says what was chosen.
 
     Returns:
         A :class:`TrainStep`; call it as ``step(x, y, sample_weight=None)``.

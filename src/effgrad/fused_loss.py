@@ -1,0 +1,280 @@
+"""Cross-entropy over a large vocabulary without ever holding the ``[rows, vocabulary]`` logits.
+
+A language model's last layer projects each position's hidden state ``h``
+(``d`` numbers) onto the vocabulary (``V`` numbers, 50,257 for GPT-2), and the
+loss is a softmax cross-entropy over those logits. Computed plainly, the
+logits of a batch (``rows = batch * T``) are one ``[rows, V]`` float32 tensor
+(393 MiB at batch 8, T=256 for GPT-2's vocabulary) and backprop holds about
+two more of its size. Fused, in chunks of rows (Cut Cross-Entropy, Wijmans et
+al. 2025; Liger's fused linear cross-entropy)::
+
+    forward, per chunk c of rows:        z = h_c @ W (+ b) (soft-capped: cap * tanh(z / cap))
+                                         lse_c = logsumexp(z);  loss_c = lse_c - z[label]
+                                         keep lse_c (one number per row), drop z
+    backward, per chunk, z recomputed:   p = exp(z - lse_c);   dz = (p - onehot(label)) * dloss_c
+                                         dh_c = dz @ W^T;  dW += h_c^T @ dz;  db += sum(dz)
+
+Only one chunk's logits (``chunk_rows x V``, 16 MiB by default) exist at a
+time; the loss and every gradient equal the plain computation's (the chunks
+run in float32 whatever the compute dtype).
+
+Trap:
+    The saving is in the loss, not the model: anything else that reads the
+    logits (a metric on ``y_pred``) would need them again. ``effgrad``'s step
+    computes ``sparse_categorical_accuracy`` per chunk and warns about other
+    metrics rather than report a wrong value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from effgrad import _compat
+
+__all__ = ["fused_sparse_cross_entropy", "Head", "find_head"]
+
+# Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
+_CHUNK_ELEMENTS = 2**22
+
+
+def _chunk_rows(vocabulary: int, chunk_rows: int | None) -> int:
+    if chunk_rows is None:
+        return max(8, _CHUNK_ELEMENTS // max(vocabulary, 1))
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}.")
+    return chunk_rows
+
+
+def fused_sparse_cross_entropy(
+    hidden,
+    kernel,
+    labels,
+    *,
+    bias=None,
+    transposed: bool = False,
+    soft_cap: float | None = None,
+    ignore_class: int | None = None,
+    chunk_rows: int | None = None,
+    from_logits: bool = True,
+) -> tf.Tensor:
+    """``SparseCategoricalCrossentropy(from_logits=True)`` of ``hidden @ kernel (+ bias)``, unreduced.
+
+    Example:
+        >>> hidden = tf.random.normal([2, 5, 16])                 # [batch, T, d]
+        >>> kernel = tf.random.normal([16, 1000])                 # [d, vocabulary]
+        >>> labels = tf.random.uniform([2, 5], 0, 1000, tf.int32)
+        >>> loss = effgrad.fused_sparse_cross_entropy(hidden, kernel, labels)
+        >>> plain = keras.losses.sparse_categorical_crossentropy(labels, hidden @ kernel, from_logits=True)
+        >>> bool(tf.reduce_max(tf.abs(loss - plain)) < 1e-4)
+        True
+
+    Args:
+        hidden: ``[..., d]`` inputs of the projection (any float dtype).
+        kernel: ``[d, V]`` (a ``Dense`` kernel), or ``[V, d]`` with
+            ``transposed=True`` (an embedding matrix used in reverse, as
+            keras_hub's tied ``ReversibleEmbedding``).
+        labels: ``[...]`` integer class ids, the leading shape of ``hidden``.
+        bias: Optional ``[V]``.
+        transposed: See ``kernel``.
+        soft_cap: Logits are ``soft_cap * tanh(z / soft_cap)`` (Gemma 2).
+        ignore_class: Labels equal to it give loss 0 and no gradient; the
+            result carries a Keras mask marking them, as Keras's loss does.
+        chunk_rows: Rows per chunk; default: 16 MiB of logits per chunk.
+        from_logits: Must be True (the projection's output is logits).
+
+    Returns:
+        ``[...]`` float32 per-position losses (reduce them yourself, or let
+        the train step normalize them over the whole batch).
+    """
+    if not from_logits:
+        raise ValueError("fused_sparse_cross_entropy computes the softmax itself: it needs from_logits=True.")
+    hidden = tf.convert_to_tensor(hidden)
+    kernel = tf.convert_to_tensor(kernel)
+    labels = tf.convert_to_tensor(labels)
+    if kernel.shape.rank != 2:
+        raise ValueError(f"kernel must be 2-D ([d, V], or [V, d] with transposed=True), got shape {kernel.shape}.")
+    depth, vocabulary = (kernel.shape[1], kernel.shape[0]) if transposed else (kernel.shape[0], kernel.shape[1])
+    if hidden.shape[-1] is not None and hidden.shape[-1] != depth:
+        raise ValueError(
+            f"hidden's last axis ({hidden.shape[-1]}) must equal the kernel's input size ({depth}; kernel shape "
+            f"{kernel.shape}, transposed={transposed})."
+        )
+    if labels.dtype.is_floating:
+        labels = tf.cast(labels, tf.int32)
+    rows_shape = tf.shape(labels)
+    flat_labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
+    valid = None
+    if ignore_class is not None:
+        valid = tf.not_equal(flat_labels, ignore_class)
+        flat_labels = tf.where(valid, flat_labels, 0)
+    flat_hidden = tf.reshape(hidden, [-1, depth])
+    size = _chunk_rows(vocabulary, chunk_rows)
+    losses = _fused(flat_hidden, kernel, bias, flat_labels, valid, transposed, soft_cap, size)
+    losses = tf.reshape(losses, rows_shape)
+    if valid is not None:
+        _compat.set_keras_mask(losses, tf.reshape(valid, rows_shape))
+    return losses
+
+
+def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
+    """``[rows]`` losses with a gradient that recomputes each chunk's logits."""
+    has_bias = bias is not None
+    bias = tf.zeros([0], tf.float32) if bias is None else tf.convert_to_tensor(bias)
+    rows = tf.shape(hidden)[0]
+    chunks = (rows + size - 1) // size
+    pad = chunks * size - rows
+
+    def padded(t):
+        return tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
+
+    def logits_of(h_chunk, w, b):
+        z = tf.matmul(h_chunk, w, transpose_b=transposed)
+        if has_bias:
+            z = z + b
+        capped = None
+        if soft_cap is not None:
+            capped = tf.tanh(z / soft_cap)
+            z = soft_cap * capped
+        return z, capped
+
+    def chunk(t, i):
+        # A static-size slice: XLA needs static shapes, and the padding makes every chunk full.
+        return tf.slice(t, [i * size] + [0] * (t.shape.rank - 1), [size] + [-1] * (t.shape.rank - 1))
+
+    @tf.custom_gradient
+    def fused(h, w, b):
+        # stop_gradient: the loops are differentiated by `grad` below, so while_v2 must not keep
+        # per-iteration accumulators (each chunk's logits) for a gradient of its own.
+        h32, w32, b32 = (tf.stop_gradient(tf.cast(t, tf.float32)) for t in (h, w, b))
+        h_pad, labels_pad = padded(h32), padded(labels)
+
+        def forward(i, lse_parts, loss_parts):
+            z, _ = logits_of(chunk(h_pad, i), w32, b32)
+            lse = tf.reduce_logsumexp(z, axis=1)
+            picked = tf.gather(z, chunk(labels_pad, i), batch_dims=1)
+            return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked)
+
+        arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[size]) for _ in range(2)]
+        _, lse_parts, loss_parts = tf.while_loop(
+            lambda i, *_: i < chunks,
+            forward,
+            (tf.constant(0), *arrays),
+            maximum_iterations=chunks,
+            parallel_iterations=1,
+        )
+        lse = lse_parts.stack()  # [chunks, size]: one number per row is all backprop keeps
+        loss = tf.reshape(loss_parts.stack(), [-1])[:rows]
+        if valid is not None:
+            loss = tf.where(valid, loss, 0.0)
+
+        def grad(upstream):
+            d_loss = tf.cast(upstream, tf.float32)
+            if valid is not None:
+                d_loss = tf.where(valid, d_loss, 0.0)
+            d_pad = padded(d_loss)
+
+            def backward(i, dh_parts, dw, db):
+                h_i, d_i = chunk(h_pad, i), chunk(d_pad, i)
+                z, capped = logits_of(h_i, w32, b32)
+                dz = tf.exp(z - lse[i][:, None]) * d_i[:, None]
+                # minus d_loss at each row's label: one scatter, not a [chunk, V] one-hot
+                picks = tf.stack([tf.range(size), chunk(labels_pad, i)], axis=1)
+                dz = tf.tensor_scatter_nd_sub(dz, picks, d_i)
+                if capped is not None:
+                    dz = dz * (1.0 - tf.square(capped))
+                dh_i = tf.matmul(dz, w32, transpose_b=not transposed)
+                dw_i = tf.matmul(dz, h_i, transpose_a=True) if transposed else tf.matmul(h_i, dz, transpose_a=True)
+                db = db + tf.reduce_sum(dz, axis=0) if has_bias else db
+                return i + 1, dh_parts.write(i, dh_i), dw + dw_i, db
+
+            dh_parts = tf.TensorArray(tf.float32, size=chunks, element_shape=[size, h.shape[-1]])
+            _, dh_parts, dw, db = tf.while_loop(
+                lambda i, *_: i < chunks,
+                backward,
+                (tf.constant(0), dh_parts, tf.zeros_like(w32), tf.zeros_like(b32)),
+                maximum_iterations=chunks,
+                parallel_iterations=1,
+            )
+            dh = tf.reshape(dh_parts.stack(), [-1, h.shape[-1]])[:rows]
+            return tf.cast(dh, h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
+
+        return loss, grad
+
+    return fused(hidden, kernel, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """A model's final projection, found by :func:`find_head`: the step computes its loss fused.
+
+    Attributes:
+        trunk: A ``keras.Model`` from the model's inputs to the projection's
+            input (the same layers and variables).
+        layer: The projection layer.
+        transposed: Its kernel is ``[V, d]`` (a tied embedding).
+        soft_cap: Logit soft-capping, if the layer applies it.
+    """
+
+    trunk: keras.Model
+    layer: keras.layers.Layer
+    transposed: bool
+    soft_cap: float | None
+
+    def kernel(self):
+        layer = self.layer
+        if isinstance(layer, keras.layers.Dense):
+            return layer.kernel
+        return layer.embeddings if layer.tie_weights else layer.reverse_embeddings
+
+    def bias(self):
+        return getattr(self.layer, "bias", None) if isinstance(self.layer, keras.layers.Dense) else None
+
+    def losses(self, hidden, labels, ignore_class=None):
+        """Per-position losses of ``labels`` against the projection of ``hidden``."""
+        return fused_sparse_cross_entropy(
+            hidden,
+            self.kernel(),
+            labels,
+            bias=self.bias(),
+            transposed=self.transposed,
+            soft_cap=self.soft_cap,
+            ignore_class=ignore_class,
+        )
+
+
+def find_head(model) -> Head | str:
+    """The model's final projection as a :class:`Head`, or why there is none (a sentence).
+
+    Applies to a functional model (keras_hub task models included) with one
+    output made by a linear ``Dense`` or by keras_hub's ``ReversibleEmbedding``
+    called with ``reverse=True``.
+    """
+    parts = _compat.functional_graph(model)
+    if parts is None:
+        return f"{type(model).__name__} is not a functional model, so its last layer cannot be split off"
+    _, inputs_struct, outputs = parts
+    outputs = keras.tree.flatten(outputs)
+    if len(outputs) != 1:
+        return f"the model has {len(outputs)} outputs"
+    layer, node_index, _ = outputs[0]._keras_history
+    node = layer._inbound_nodes[node_index]
+    if isinstance(layer, keras.layers.Dense):
+        if layer.activation not in (None, keras.activations.linear) or getattr(layer, "lora_enabled", False):
+            return f"its last layer {layer.name!r} applies an activation (the loss needs the logits)"
+        if len(layer.kernel.shape) != 2:
+            return f"its last layer {layer.name!r} has a kernel that is not 2-D"
+        transposed, soft_cap = False, None
+    elif type(layer).__name__ == "ReversibleEmbedding" and node.arguments.kwargs.get("reverse"):
+        if getattr(layer, "quantization_mode", None) or getattr(layer, "reverse_dtype", None):
+            return f"its last layer {layer.name!r} is quantized or projects in another dtype"
+        transposed, soft_cap = bool(layer.tie_weights), layer.logit_soft_cap
+    else:
+        return f"its last layer {layer.name!r} is a {type(layer).__name__}, not a Dense or a reversed embedding"
+    inputs = node.input_tensors
+    if len(inputs) != 1:
+        return f"its last layer {layer.name!r} takes {len(inputs)} inputs"
+    trunk = keras.Model(inputs_struct, inputs[0], name=f"{model.name}_trunk")
+    return Head(trunk=trunk, layer=layer, transposed=transposed, soft_cap=soft_cap)
