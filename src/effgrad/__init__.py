@@ -41,6 +41,7 @@ if not _quiet.answering_help():
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.fit import attach
+        from effgrad.fused_loss import fused_sparse_cross_entropy
         from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
         from effgrad.planner import MemoryPlan, plan
         from effgrad.step import StepOptions, TrainStep, build_train_step
@@ -64,6 +65,7 @@ __all__ = [
     "checkpoint_model",
     "checkpoint_sequential",
     "diagnostics",
+    "fused_sparse_cross_entropy",
     "memory",
     "plan",
     "saliency",

@@ -1,0 +1,256 @@
+"""The fused projection + sparse cross-entropy equals the plain one and never makes the logits."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+
+
+def _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class):
+    z = tf.matmul(hidden, kernel, transpose_b=transposed)
+    if bias is not None:
+        z = z + bias
+    if soft_cap is not None:
+        z = soft_cap * tf.tanh(z / soft_cap)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None, ignore_class=ignore_class)
+    return loss(labels, z)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize(
+    "transposed, soft_cap, with_bias, ignore_class",
+    [(False, None, True, None), (True, None, False, 3), (True, 5.0, False, None), (False, 2.0, True, 0)],
+    ids=["dense", "tied-ignore", "tied-softcap", "dense-softcap-ignore"],
+)
+def test_loss_and_gradients_equal_the_plain_cross_entropy(rng, mode, transposed, soft_cap, with_bias, ignore_class):
+    hidden = tf.constant(rng.normal(size=(3, 7, 16)).astype("float32"))
+    kernel = tf.Variable(rng.normal(size=(100, 16) if transposed else (16, 100)).astype("float32"))
+    bias = tf.Variable(rng.normal(size=(100,)).astype("float32")) if with_bias else None
+    labels = rng.integers(0, 100, (3, 7))
+    labels[:, -2:] = 3 if ignore_class is None else ignore_class  # some ignored positions
+    labels = tf.constant(labels)
+    weights = tf.constant(rng.uniform(size=(3, 7)).astype("float32"))
+    sources = [hidden, kernel] + ([bias] if with_bias else [])
+
+    def both(hidden):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(hidden)
+            fused = effgrad.fused_sparse_cross_entropy(
+                hidden,
+                kernel,
+                labels,
+                bias=bias,
+                transposed=transposed,
+                soft_cap=soft_cap,
+                ignore_class=ignore_class,
+                chunk_rows=4,  # 21 rows: 6 chunks, the last one short
+            )
+            plain = _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class)
+            a, b = tf.reduce_sum(fused * weights), tf.reduce_sum(plain * weights)
+        return fused, plain, tape.gradient(a, [hidden, *sources[1:]]), tape.gradient(b, [hidden, *sources[1:]])
+
+    run = both if mode == "eager" else tf.function(both, jit_compile=mode == "xla")
+    fused, plain, fused_grads, plain_grads = run(hidden)
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused_grads, plain_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    if ignore_class is not None:
+        ignored = labels.numpy() == ignore_class
+        assert ignored.any() and np.all(fused.numpy()[ignored] == 0)
+
+
+def test_bad_arguments_are_refused_clearly():
+    hidden, labels = tf.zeros([2, 8]), tf.zeros([2], tf.int32)
+    with pytest.raises(ValueError, match="from_logits=True"):
+        effgrad.fused_sparse_cross_entropy(hidden, tf.zeros([8, 5]), labels, from_logits=False)
+    with pytest.raises(ValueError, match=r"last axis \(8\) must equal the kernel's input size \(5"):
+        effgrad.fused_sparse_cross_entropy(hidden, tf.zeros([5, 8]), labels)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        effgrad.fused_sparse_cross_entropy(hidden, tf.zeros([8, 5]), labels, chunk_rows=0)
+
+
+def _tiny_gpt2(seed=0):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+        dropout=0.1,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def _classifier(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((12,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(300)(h))  # a 300-class head with a bias
+
+
+def _lm_batch(rng):
+    tokens = rng.integers(1, 50, size=(6, 8)).astype("int32")
+    mask = np.ones((6, 8), "int32")
+    mask[:, 6:] = 0
+    return {"token_ids": tokens, "padding_mask": mask}, np.roll(tokens, -1, axis=1), mask.astype("float32")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+@pytest.mark.parametrize("model", ["gpt2", "classifier"])
+def test_step_with_the_fused_loss_equals_the_unfused_step(rng, model, jit_compile, micro_batches, caplog):
+    if model == "gpt2":
+        make, (x, y, w) = _tiny_gpt2, _lm_batch(rng)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=7)  # padding masks too
+    else:
+        make = _classifier
+        x, y, w = rng.normal(size=(10, 12)).astype("float32"), rng.integers(0, 300, 10), rng.uniform(size=10)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    results = []
+    for fused in (True, False):
+        net, opt = make(), keras.optimizers.AdamW(1e-2)
+        keras.utils.set_random_seed(3)  # the same dropout draws
+        with caplog.at_level(logging.INFO, logger="effgrad"):
+            step = effgrad.build_train_step(
+                net, loss, opt, fused_loss=fused, micro_batches=micro_batches, jit_compile=jit_compile
+            )
+            logs = step(x, y, w)
+        assert step.fused_loss is fused
+        results.append((net, float(logs["loss"])))
+    assert "fused loss: " in caplog.text and "the logits are never made" in caplog.text  # one line says so
+    (fused_net, fused_loss), (net, loss_value) = results
+    assert fused_loss == pytest.approx(loss_value, rel=1e-5)
+    # Adam divides by sqrt(v): float32 round-off of a near-zero gradient shows at ~1e-6 of the 1e-2 step
+    assert_variables_close(fused_net.trainable_variables, net.trainable_variables, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_float16_fused_loss_is_computed_in_float32(rng):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y, w = rng.normal(size=(10, 12)).astype("float32"), rng.integers(0, 300, 10), None
+        losses = []
+        for fused in (True, False):
+            net = _classifier()
+            step = effgrad.build_train_step(
+                net,
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras.optimizers.SGD(0.1),
+                fused_loss=fused,
+            )
+            losses.append(float(step(x, y, w)["loss"]))
+            assert step.fused_loss is fused and float(step.loss_scale.value) > 1
+        assert losses[0] == pytest.approx(losses[1], rel=1e-2)  # float16 logits vs float32 chunks
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_fused_loss_under_mirrored_strategy_equals_one_device(strategy, rng):
+    x, y = rng.normal(size=(8, 12)).astype("float32"), rng.integers(0, 300, 8)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy.scope():
+        net, opt = _classifier(), keras.optimizers.SGD(0.1)
+    step = effgrad.build_train_step(net, loss, opt, strategy=strategy, micro_batches=2)
+    step(x, y)
+    assert step.fused_loss
+    reference = _classifier()
+    effgrad.build_train_step(reference, loss, keras.optimizers.SGD(0.1), fused_loss=False)(x, y)
+    for variable, expected in zip(net.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(variable.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_says_why_it_does_not_apply_and_true_refuses(rng, caplog):
+    activated = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="softmax")])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with caplog.at_level(logging.INFO, logger="effgrad"):
+        step = effgrad.build_train_step(activated, loss, keras.optimizers.SGD(0.1))
+    assert step.fused_loss is False and "applies an activation" in caplog.text
+    step = effgrad.build_train_step(activated, "mse", keras.optimizers.SGD(0.1))
+    assert "not SparseCategoricalCrossentropy(from_logits=True)" in step.fused_loss_reason
+    with pytest.raises(ValueError, match="fused_loss=True cannot apply: .*applies an activation"):
+        effgrad.build_train_step(activated, loss, keras.optimizers.SGD(0.1), fused_loss=True)
+
+
+def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
+    x, y = rng.normal(size=(16, 12)).astype("float32"), rng.integers(0, 300, 16)
+    stock, ours = _classifier(), _classifier()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for net in (stock, ours):
+        net.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    effgrad.attach(ours)
+    h_stock = stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    h_ours = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert ours.effgrad_step.fused_loss
+    assert_variables_close(ours.trainable_variables, stock.trainable_variables, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["sparse_categorical_accuracy"])
+    effgrad.attach(ours)
+    history = ours.fit(x, y, batch_size=8, verbose=0).history
+    assert not ours.effgrad_step.fused_loss and "metrics read the logits" in ours.effgrad_step.fused_loss_reason
+    assert 0 <= history["sparse_categorical_accuracy"][0] <= 1  # computed on the real logits, never skipped
+
+
+def test_the_model_is_unchanged_it_still_generates_and_saves(rng, tmp_path):
+    model = _tiny_gpt2()
+    x, y, w = _lm_batch(rng)
+    step = effgrad.build_train_step(
+        model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.Adam(1e-3)
+    )
+    step(x, y, w)
+    assert step.fused_loss
+    logits = model(x)
+    assert logits.shape == (6, 8, 50)  # inference still gives the logits
+    model.save(tmp_path / "lm.keras")
+    loaded = keras.models.load_model(tmp_path / "lm.keras")
+    np.testing.assert_allclose(loaded(x), logits, rtol=1e-5, atol=1e-5)
+    out = model.generate(
+        {"token_ids": x["token_ids"][:1], "padding_mask": x["padding_mask"][:1]}, max_length=8, stop_token_ids=None
+    )
+    assert np.asarray(out["token_ids"]).shape == (1, 8)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import effgrad, keras, numpy as np, tensorflow as tf
+    fused = sys.argv[1] == "fused"
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    model = keras.Model(inputs, keras.layers.Dense(50_000)(inputs))  # 12 MiB of weights
+    x = tf.random.normal([512, 64]); y = tf.random.uniform([512], 0, 50_000, tf.int32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.1), fused_loss=fused)
+    step(x, y)
+    print("@@" + json.dumps(effgrad.memory.measure(lambda: step(x, y)["loss"]).extra_bytes))
+    """
+)
+
+
+def test_the_logits_are_never_made():
+    peaks = {}
+    for method in ("fused", "plain"):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, method], capture_output=True, text=True, env=env, timeout=300
+        )
+        found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
+        assert found, done.stderr[-3000:]
+        peaks[method] = found[0]
+    logits = 512 * 50_000 * 4  # 98 MiB: one copy
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    assert peaks["plain"] > logits
+    # a 16 MiB chunk's logits and their gradient, the kernel's gradient (12 MiB) and its update
+    assert peaks["fused"] < 0.6 * logits, peaks
