@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 SUITES = [
     "accumulation",
     "step_floor",
+    "fused_loss",
     "loss_scaling",
     "diagnostics",
     "checkpointing",

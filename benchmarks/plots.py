@@ -36,6 +36,24 @@ def plot_all() -> list:
             ax.minorticks_off()
             ax.legend(fontsize=7)
         written.append(_save(fig, plt, "accumulation_memory.png"))
+    fused = _load("fused_loss")
+    sweep = [r for r in (fused or {"rows": []})["rows"] if r.get("vocab")]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for method, style in (("effgrad unfused", "s--"), ("effgrad fused", "o-")):
+            mine = [r for r in sweep if r["method"] == method]
+            ax.plot([r["vocab"] for r in mine], [r["peak_mib"] for r in mine], style, label=method)
+        mine = [r for r in sweep if r["method"] == "effgrad fused"]
+        ax.plot([r["vocab"] for r in mine], [r["logits_mib"] for r in mine], ":", color="gray", label="one logits copy")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="classes (vocabulary)",
+            ylabel="peak MiB",
+            title="one Adam step, batch 512, 256 features",
+        )
+        ax.legend(fontsize=7)
+        written.append(_save(fig, plt, "fused_loss_vocabulary.png"))
     ckpt = _load("checkpointing")
     if ckpt:
         models = sorted({r["model"] for r in ckpt["rows"]})

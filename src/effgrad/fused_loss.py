@@ -124,6 +124,9 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
     has_bias = bias is not None
     bias = tf.zeros([0], tf.float32) if bias is None else tf.convert_to_tensor(bias)
     rows = tf.shape(hidden)[0]
+    # Never a chunk larger than the batch (padding 64 rows to 838 would multiply the work); under
+    # XLA `rows` is a compile-time constant, so the size stays static there.
+    size = tf.maximum(tf.minimum(size, rows), 1)
     chunks = (rows + size - 1) // size
     pad = chunks * size - rows
 
@@ -157,7 +160,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
             picked = tf.gather(z, chunk(labels_pad, i), batch_dims=1)
             return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked)
 
-        arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[size]) for _ in range(2)]
+        arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[None]) for _ in range(2)]
         # One chunk at a time (parallel_iterations=1): running several at once holds several chunks'
         # logits (measured: 632 vs 162 MiB for 2,048 rows of GPT-2's vocabulary).
         _, lse_parts, loss_parts = tf.while_loop(
@@ -192,7 +195,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
                 db = db + tf.reduce_sum(dz, axis=0) if has_bias else db
                 return i + 1, dh_parts.write(i, dh_i), dw + dw_i, db
 
-            dh_parts = tf.TensorArray(tf.float32, size=chunks, element_shape=[size, h.shape[-1]])
+            dh_parts = tf.TensorArray(tf.float32, size=chunks, element_shape=[None, h.shape[-1]])
             _, dh_parts, dw, db = tf.while_loop(
                 lambda i, *_: i < chunks,
                 backward,

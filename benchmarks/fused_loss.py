@@ -1,0 +1,139 @@
+"""The loss of a large vocabulary without its logits: peak and time of one step against Keras.
+
+In a fresh process per row, one Adam step of:
+
+* keras_hub ``GPT2CausalLM`` (vocabulary 50,257, 2 layers, hidden 256) at T=256
+  batch 8 and T=1024 batch 4, with the padding mask as sample weights;
+* a 100,000-class classifier (``Dense`` head on 256 features, batch 512);
+
+by ``keras train_on_batch``, ``effgrad unfused`` (``fused_loss=False``) and
+``effgrad fused`` (the default where it applies). ``logits MiB`` is one
+float32 copy of the ``[rows, vocabulary]`` logits the fused step never makes.
+A second table sweeps the vocabulary of the classifier: the unfused peak
+grows with it, the fused one by the kernel (and its gradient and Adam slots) only.
+"""
+
+from __future__ import annotations
+
+from benchmarks import common
+
+MODULE = "benchmarks.fused_loss"
+
+
+def _model(config):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if config["model"] == "gpt2":
+        import keras_hub
+
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=config["vocab"],
+            num_layers=2,
+            num_heads=4,
+            hidden_dim=256,
+            intermediate_dim=1024,
+            max_sequence_length=config["seq"],
+        )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    inputs = keras.Input((256,))
+    h = keras.layers.Dense(256, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(config["vocab"])(h))
+
+
+def child(config: dict) -> dict:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import effgrad
+
+    rng = np.random.default_rng(0)
+    batch, vocab = config["batch"], config["vocab"]
+    model = _model(config)
+    if config["model"] == "gpt2":
+        seq = config["seq"]
+        tokens = rng.integers(1, vocab, (batch, seq)).astype("int32")
+        mask = np.ones((batch, seq), "int32")
+        mask[:, -seq // 8 :] = 0  # some padding
+        x = {"token_ids": tf.constant(tokens), "padding_mask": tf.constant(mask)}
+        y, w = tf.constant(np.roll(tokens, -1, axis=1)), tf.constant(mask.astype("float32"))
+        rows = batch * seq
+    else:
+        x = tf.constant(rng.normal(size=(batch, 256)).astype("float32"))
+        y, w, rows = tf.constant(rng.integers(0, vocab, batch)), None, batch
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.Adam(1e-4)
+    method = config["method"]
+    if method == "keras":
+        model.compile(optimizer=opt, loss=loss, weighted_metrics=[])
+
+        def one_step():
+            return model.train_on_batch(x, y, sample_weight=w)
+    else:
+        step = effgrad.build_train_step(model, loss, opt, fused_loss=method == "effgrad fused")
+
+        def one_step():
+            return step(x, y, w)["loss"]
+
+    one_step()
+    report = effgrad.memory.measure(one_step)
+    seconds = common.median_time(one_step, warmup=0, repeats=config["repeats"])
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20
+    return {
+        "peak_mib": report.peak_mib,
+        "seconds": seconds,
+        "logits_mib": rows * vocab * 4 / 2**20,
+        "weights_mib": weights,
+    }
+
+
+def run(quick: bool = False) -> dict:
+    methods = ["keras", "effgrad unfused", "effgrad fused"]
+    if quick:
+        shapes = [("classifier 5,000 classes", {"model": "dense", "vocab": 5000, "batch": 64, "repeats": 2})]
+        sweep = [1000, 4000]
+    else:
+        shapes = [
+            ("GPT2CausalLM T=256 batch 8", {"model": "gpt2", "vocab": 50257, "seq": 256, "batch": 8, "repeats": 2}),
+            ("GPT2CausalLM T=1024 batch 4", {"model": "gpt2", "vocab": 50257, "seq": 1024, "batch": 4, "repeats": 2}),
+            ("classifier 100,000 classes", {"model": "dense", "vocab": 100_000, "batch": 512, "repeats": 3}),
+        ]
+        sweep = [8_000, 16_000, 32_000, 64_000, 128_000, 256_000]
+    rows = []
+    for name, base in shapes:
+        group = []
+        for method in methods:
+            result = common.run_isolated(MODULE, {**base, "method": method})
+            group.append({"shape": name, "method": method, **result})
+        keras_row, unfused = group[0], group[1]
+        for row in group:
+            row["vs_keras"] = row["peak_mib"] / keras_row["peak_mib"]
+            row["vs_unfused"] = row["peak_mib"] / unfused["peak_mib"]
+            row["time_vs_unfused"] = row["seconds"] / unfused["seconds"]
+        rows.extend(group)
+    for vocab in sweep:
+        for method in methods[1:]:
+            config = {"model": "dense", "vocab": vocab, "batch": 512, "repeats": 1, "method": method}
+            result = common.run_isolated(MODULE, config)
+            rows.append({"shape": f"classifier sweep {vocab}", "vocab": vocab, "method": method, **result})
+    title = (
+        "Fused projection + sparse cross-entropy: absolute allocator peak of one Adam step, fresh process per "
+        "row; 'logits MiB' = one float32 copy of the logits"
+    )
+    columns = [
+        ("shape", "model", ""),
+        ("method", "method", ""),
+        ("peak_mib", "peak MiB", ".0f"),
+        ("weights_mib", "weights MiB", ".0f"),
+        ("logits_mib", "logits MiB", ".0f"),
+        ("vs_keras", "vs Keras", ".2f"),
+        ("vs_unfused", "vs unfused", ".2f"),
+        ("seconds", "s / step", ".3f"),
+        ("time_vs_unfused", "time vs unfused", ".2f"),
+    ]
+    return common.publish("fused_loss", title, rows, columns)
+
+
+if __name__ == "__main__":
+    common.child_main(child)
