@@ -273,3 +273,20 @@ def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
     (fused_model, fused_loss), (model, loss_value) = results
     assert fused_loss == pytest.approx(loss_value, rel=1e-6)
     assert_variables_close(fused_model.trainable_variables, model.trainable_variables, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_counts_the_sequence_length_of_token_models(rng):
+    """Per token a language model looks weight-dominated; per sequence of 64 its logits are not."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=1000, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=64
+    )
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    tokens = rng.integers(1, 1000, (2, 64)).astype("int32")
+    step = effgrad.build_train_step(
+        lm, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.SGD(0.1), fused_loss=False
+    )
+    step({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}, tokens)
+    assert step.batch_hint == (2, 64) and step.fused is False

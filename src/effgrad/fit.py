@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from effgrad import _compat, accumulate, losses
 from effgrad import loss_scale as loss_scale_lib
-from effgrad.step import StepOptions, TrainStep
+from effgrad.step import StepOptions, TrainStep, batch_shape
 
 __all__ = ["attach"]
 
@@ -150,7 +150,7 @@ def _attach(model, given: dict, forward) -> keras.Model:
 
 
 def _tell_rows_at_fit(model) -> None:
-    """``fused_update="auto"`` weighs gradients against the activations of a batch's rows, which the
+    """``fused_update="auto"`` weighs gradients against the activations of a batch, whose size the
     step fit traces does not know (its batch dimension is None): fit tells it before the first trace."""
     if "fit" in vars(model):  # a planned attach waiting for its fit, or already told
         return
@@ -158,24 +158,26 @@ def _tell_rows_at_fit(model) -> None:
 
     def fit(x=None, y=None, batch_size=None, *args, **kwargs):
         step = model.effgrad_step
-        if step.fused is None and step.rows_hint is None:
-            step.rows_hint = _first_rows(x, batch_size)
+        if step.fused is None and step.batch_hint is None:
+            step.batch_hint = _first_batch_shape(x, batch_size)
         return original_fit(model, x, y, batch_size, *args, **kwargs)
 
     model.fit = fit
 
 
-def _first_rows(x, batch_size) -> int | None:
-    """Rows of fit's first batch (a dataset of unknown batch size yields one batch to tell)."""
+def _first_batch_shape(x, batch_size) -> tuple[int, int] | None:
+    """``(rows, largest other axis)`` of fit's first batch (a dataset of unknown shape yields one batch)."""
     if isinstance(x, tf.data.Dataset):
-        leaves = tf.nest.flatten(x.element_spec)
-        if leaves and leaves[0].shape.rank and leaves[0].shape[0] is not None:
-            return leaves[0].shape[0]
-        first = tf.nest.flatten(next(iter(x.take(1)), None))  # .batch(n) leaves the size unknown
-        return int(first[0].shape[0]) if first and first[0] is not None and first[0].shape.rank else None
+        spec = x.element_spec
+        spec = spec[0] if isinstance(spec, tuple) else spec  # (x, y[, sample_weight]): x alone
+        if all(t.shape.is_fully_defined() for t in tf.nest.flatten(spec)):
+            return batch_shape(spec)
+        first = next(iter(x.take(1)), None)
+        return None if first is None else batch_shape(keras.utils.unpack_x_y_sample_weight(first)[0])
     leaves = tf.nest.flatten(x)
     if leaves and all(getattr(leaf, "shape", None) for leaf in leaves):
-        return min(batch_size or 32, int(leaves[0].shape[0]))
+        rows, extent = batch_shape(x) or (0, 1)
+        return min(batch_size or 32, rows), extent
     return None
 
 

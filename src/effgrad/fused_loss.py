@@ -38,6 +38,8 @@ __all__ = ["fused_sparse_cross_entropy", "Head", "find_head"]
 
 # Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
 _CHUNK_ELEMENTS = 2**22
+# Columns of the kernel per chunk in backprop (1,024 rows at a time: 16 MiB of logits).
+_VOCAB_CHUNK = 4096
 
 
 def _chunk_rows(vocabulary: int, chunk_rows: int | None) -> int:
@@ -152,6 +154,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
         # stop_gradient: the loops are differentiated by `grad` below, so while_v2 must not keep
         # per-iteration accumulators (each chunk's logits) for a gradient of its own.
         h32, w32, b32 = (tf.stop_gradient(tf.cast(t, tf.float32)) for t in (h, w, b))
+        vocabulary = int(w.shape[0] if transposed else w.shape[1])
         h_pad, labels_pad = padded(h32), padded(labels)
 
         def forward(i, lse_parts, loss_parts):
@@ -176,35 +179,69 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
             loss = tf.where(valid, loss, 0.0)
 
         def grad(upstream):
+            # Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the
+            # kernel's gradient is summed per vocabulary chunk in a small [d, chunk] buffer and
+            # concatenated once. Summing whole [d, V] gradients over row chunks would keep three
+            # kernel-sized buffers alive (the sum, the addend, the result).
             d_loss = tf.cast(upstream, tf.float32)
             if valid is not None:
                 d_loss = tf.where(valid, d_loss, 0.0)
-            d_pad = padded(d_loss)
+            depth = h.shape[-1]
+            lse_rows = tf.reshape(lse, [-1])[:rows]
+            rc = tf.maximum(tf.minimum(max(1, _CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
+            row_chunks = (rows + rc - 1) // rc
+            extra = row_chunks * rc - rows
 
-            def backward(i, dh_parts, dw, db):
-                h_i, d_i = chunk(h_pad, i), chunk(d_pad, i)
-                z, capped = logits_of(h_i, w32, b32)
-                dz = tf.exp(z - lse[i][:, None]) * d_i[:, None]
-                # minus d_loss at each row's label: one scatter, not a [chunk, V] one-hot
-                picks = tf.stack([tf.range(size), chunk(labels_pad, i)], axis=1)
-                dz = tf.tensor_scatter_nd_sub(dz, picks, d_i)
-                if capped is not None:
-                    dz = dz * (1.0 - tf.square(capped))
-                dh_i = tf.matmul(dz, w32, transpose_b=not transposed)
-                dw_i = tf.matmul(dz, h_i, transpose_a=True) if transposed else tf.matmul(h_i, dz, transpose_a=True)
-                db = db + tf.reduce_sum(dz, axis=0) if has_bias else db
-                return i + 1, dh_parts.write(i, dh_i), dw + dw_i, db
+            def rows_padded(t):
+                return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
 
-            dh_parts = tf.TensorArray(tf.float32, size=chunks, element_shape=[None, h.shape[-1]])
-            _, dh_parts, dw, db = tf.while_loop(
-                lambda i, *_: i < chunks,
-                backward,
-                (tf.constant(0), dh_parts, tf.zeros_like(w32), tf.zeros_like(b32)),
-                maximum_iterations=chunks,
-                parallel_iterations=1,
-            )
-            dh = tf.reshape(dh_parts.stack(), [-1, h.shape[-1]])[:rows]
-            return tf.cast(dh, h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
+            def rows_of(t, i):
+                return tf.slice(t, [i * rc] + [0] * (t.shape.rank - 1), [rc] + [-1] * (t.shape.rank - 1))
+
+            h_b, d_b, lse_b, labels_b = (rows_padded(t) for t in (h32, d_loss, lse_rows, labels))
+            dh = tf.zeros_like(h_b)
+            dw_parts, db_parts, previous = [], [], []
+            for start in range(0, vocabulary, _VOCAB_CHUNK):
+                width = min(_VOCAB_CHUNK, vocabulary - start)
+                with tf.control_dependencies(previous):  # one vocabulary chunk at a time
+                    w_j = w32[start : start + width] if transposed else w32[:, start : start + width]
+                    b_j = b32[start : start + width] if has_bias else b32
+                local = labels_b - start
+                inside = (local >= 0) & (local < width)
+                local = tf.where(inside, local, 0)
+
+                def backward(i, dh_parts, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
+                    h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
+                    z, capped = logits_of(h_i, w_j, b_j)
+                    dz = tf.exp(z - lse_i[:, None]) * d_i[:, None]
+                    # minus d_loss at each row's label (if in this chunk): a scatter, not a one-hot
+                    picks = tf.stack([tf.range(rc), rows_of(local, i)], axis=1)
+                    dz = tf.tensor_scatter_nd_sub(dz, picks, tf.where(rows_of(inside, i), d_i, 0.0))
+                    if capped is not None:
+                        dz = dz * (1.0 - tf.square(capped))
+                    dh_i = tf.matmul(dz, w_j, transpose_b=not transposed)
+                    if transposed:
+                        dw_i = tf.matmul(dz, h_i, transpose_a=True)
+                    else:
+                        dw_i = tf.matmul(h_i, dz, transpose_a=True)
+                    db_j = db_j + tf.reduce_sum(dz, axis=0) if has_bias else db_j
+                    return i + 1, dh_parts.write(i, dh_i), dw_j + dw_i, db_j
+
+                dh_parts = tf.TensorArray(tf.float32, size=row_chunks, element_shape=[None, depth])
+                _, dh_parts, dw_j, db_j = tf.while_loop(
+                    lambda i, *_: i < row_chunks,
+                    backward,
+                    (tf.constant(0), dh_parts, tf.zeros_like(w_j), tf.zeros_like(b_j)),
+                    maximum_iterations=row_chunks,
+                    parallel_iterations=1,
+                )
+                dh = dh + tf.reshape(dh_parts.stack(), [-1, depth])
+                dw_parts.append(dw_j)
+                db_parts.append(db_j)
+                previous = [dw_j, dh]
+            dw = tf.concat(dw_parts, axis=0 if transposed else 1)
+            db = tf.concat(db_parts, axis=0) if has_bias else b32
+            return tf.cast(dh[:rows], h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
 
         return loss, grad
 

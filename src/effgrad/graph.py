@@ -113,13 +113,13 @@ def _recorded_graph(model: keras.Model):
     )
 
 
-def _size(node) -> int:
+def _size(node, unknown: int = 1) -> int:
     """Estimated activation elements per example kept by one layer call.
 
-    The output's size (unknown axes count as 1) times the number of layers
-    the call runs: a transformer layer keeps far more than its output.
+    The output's size (unknown axes count as ``unknown``) times the number of
+    layers the call runs: a transformer layer keeps far more than its output.
     """
-    out = sum(math.prod(d for d in t.shape[1:] if d is not None) for t in node.output_tensors)
+    out = sum(math.prod(unknown if d is None else d for d in t.shape[1:]) for t in node.output_tensors)
     inner = getattr(node.operation, "_flatten_layers", None)
     return out * max(1, len(list(inner(include_self=False))) if inner else 1)
 
@@ -183,13 +183,15 @@ def choose_boundaries(graph: Graph, segments: int) -> list[int]:
     return chosen
 
 
-def activation_bytes_per_row(model) -> int | None:
+def activation_bytes_per_row(model, unknown: int = 1) -> int | None:
     """Rough bytes of activations one example keeps for backprop (float32), or None if unknown.
 
-    From the static output shapes of the layer calls (see :func:`layer_graph`);
-    None for models whose layer graph Keras does not record (subclassed).
+    From the static output shapes of the layer calls (see :func:`layer_graph`),
+    an axis the model leaves unknown (a sequence length) counted as
+    ``unknown``; None for models whose layer graph Keras does not record
+    (subclassed).
     """
     try:
-        return 4 * sum(layer_graph(model).sizes)
+        return 4 * sum(_size(node, unknown) for node in layer_graph(model).nodes)
     except (TypeError, ValueError, AttributeError):
         return None

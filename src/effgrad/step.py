@@ -111,6 +111,15 @@ def _check_batch_sizes(x, y, sample_weight) -> None:
         raise ValueError(f"x, y and sample_weight must have the same batch size (dim 0), got {detail}.")
 
 
+def batch_shape(x) -> tuple[int, int] | None:
+    """``(rows, largest other axis)`` of a batch's static shapes (e.g. ``(8, 256)`` for ``[8, 256]`` token ids)."""
+    leaves = [t for t in tf.nest.flatten(x) if t is not None and len(getattr(t, "shape", ())) > 0]
+    if not leaves or leaves[0].shape[0] is None:
+        return None
+    extent = max([int(d) for t in leaves for d in t.shape[1:] if d is not None] or [1])
+    return int(leaves[0].shape[0]), extent
+
+
 def _as_tensors(nest):
     return tf.nest.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), nest)
 
@@ -198,7 +207,8 @@ class TrainStep:
         self._step = tf.function(self._distributed_step, autograph=False)
         self._fused_fn = tf.function(self._fused_step, jit_compile=self.options.jit_compile, autograph=False)
         self.fused: bool | None = None  # decided at the first trace (see _decide_fused)
-        self.rows_hint: int | None = None  # the first batch's rows, for fused_update="auto"
+        # (rows, largest other axis) of the first batch, for fused_update="auto"
+        self.batch_hint: tuple[int, int] | None = None
         if getattr(model, "built", False):
             self._prepare()
 
@@ -278,8 +288,8 @@ class TrainStep:
         if not self._ready:
             self._prepare(x)
         if not distributed:
-            if self.rows_hint is None:
-                self.rows_hint = (_leading_dims(x) or [None])[0]
+            if self.batch_hint is None:
+                self.batch_hint = batch_shape(x)
             specs = tf.nest.map_structure(_relaxed_spec, (x, y, sample_weight))
             key = repr(specs)
             if key not in self._signatures:
@@ -414,7 +424,7 @@ class TrainStep:
         if shard:
             x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
         if self.fused is None:
-            self.fused = self._decide_fused((_leading_dims(x) or [self.rows_hint])[0])
+            self.fused = self._decide_fused(self.batch_hint or batch_shape(x))
         if self.fused:
             return self._fused_fn(x, y, sample_weight)
         grads, total, normalizer, pending, noise, local_rows, reg_loss, reg_grads = self._compute(x, y, sample_weight)
@@ -468,7 +478,7 @@ class TrainStep:
             logs.update(self._update_noise_scale(noise, summed, per_loss, normalizer, finite & has_weight))
         return logs
 
-    def _decide_fused(self, rows: int | None) -> bool:
+    def _decide_fused(self, hint: tuple[int, int] | None) -> bool:
         """Whether one micro-batch applies each update as backprop makes its gradient (two passes).
 
         Gathering every gradient before the one update costs a gradient-sized
@@ -497,13 +507,19 @@ class TrainStep:
             return False
         if option is True:
             return True
-        per_row = graph.activation_bytes_per_row(self.model)
-        if per_row is None or rows is None:
+        if hint is None:
+            return False
+        rows, extent = hint
+        per_row = graph.activation_bytes_per_row(self.model, unknown=extent)  # a sequence: T per unknown axis
+        if per_row is None:
             return False
         gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in self.model.trainable_variables)
-        # A layer keeps about twice its output for backprop (its input, an activation's
-        # pre-activation): a 16x1024 GELU MLP at batch 1024 (weights = outputs) stays gathered.
-        return gradient_bytes > 2 * per_row * rows
+        # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
+        # probabilities), and the second pass keeps it all alive once more. Measured: a 16x1024
+        # GELU MLP at batch 1024 (weights = outputs) and GPT2Backbone 12x768 at T=128, batch 2
+        # (weights = 3.6x outputs; fused 1,084 vs gathered 995 MiB) are better gathered; 8 Dense
+        # 2048x2048 at batch 64 (weights = 32x outputs) fused: 165-180 vs 258 MiB.
+        return gradient_bytes > 4 * per_row * rows
 
     def _fused_step(self, x, y, sample_weight):
         """One micro-batch on one replica, each variable updated as backprop makes its gradient.
