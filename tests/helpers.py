@@ -1,5 +1,10 @@
 """Reference computations the tests compare effgrad against."""
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -14,6 +19,23 @@ def mlp(seed=0, inputs=5, hidden=7, outputs=3, regularizer=None, dtype=None):
             keras.layers.Dense(outputs, dtype=dtype),
         ]
     )
+
+
+def tiny_gpt2_lm(seed=0, vocabulary=50, length=8, dropout=0.1):
+    """A keras_hub GPT2CausalLM built from constructor arguments (nothing downloaded)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=length,
+        dropout=dropout,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
 def sequence_model(seed=0, features=4, vocab=6):
@@ -63,3 +85,27 @@ def assert_summary_equals_numpy(summary, maps, classes):
             rows = stored[classes == c]
             np.testing.assert_allclose(m, rows.mean(0), rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(v, rows.var(0), rtol=1e-3, atol=1e-7)
+
+
+def in_fresh_processes(code: str, runs: dict, timeout: float = 300) -> dict:
+    """``{key: value}``: ``python -c code *argv`` per ``runs[key] = argv``, side by side, each printing
+    ``@@`` + JSON. A fresh process per measurement: allocator peaks then belong to it alone (the
+    processes share only the wall time)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+    procs = {
+        key: subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, argv)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for key, argv in runs.items()
+    }
+    results = {}
+    for key, proc in procs.items():
+        out, err = proc.communicate(timeout=timeout)
+        found = [json.loads(line[2:]) for line in out.splitlines() if line.startswith("@@")]
+        assert found, err[-3000:]
+        results[key] = found[0]
+    return results

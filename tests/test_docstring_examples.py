@@ -18,6 +18,7 @@ EXAMPLES = [
     effgrad.StaticLossScale,
     effgrad.DynamicLossScale,
     effgrad.saliency_summary,
+    effgrad.fused_sparse_cross_entropy,
 ]
 
 

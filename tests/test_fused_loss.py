@@ -1,10 +1,6 @@
 """The fused projection + sparse cross-entropy equals the plain one and never makes the logits."""
 
-import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -14,6 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from helpers import in_fresh_processes, tiny_gpt2_lm
 
 
 def _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class):
@@ -79,22 +76,6 @@ def test_bad_arguments_are_refused_clearly():
         effgrad.fused_sparse_cross_entropy(hidden, tf.zeros([8, 5]), labels, chunk_rows=0)
 
 
-def _tiny_gpt2(seed=0):
-    import keras_hub
-
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=8,
-        dropout=0.1,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-
-
 def _classifier(seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((12,))
@@ -114,7 +95,7 @@ def _lm_batch(rng):
 @pytest.mark.parametrize("model", ["gpt2", "classifier"])
 def test_step_with_the_fused_loss_equals_the_unfused_step(rng, model, jit_compile, micro_batches, caplog):
     if model == "gpt2":
-        make, (x, y, w) = _tiny_gpt2, _lm_batch(rng)
+        make, (x, y, w) = tiny_gpt2_lm, _lm_batch(rng)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=7)  # padding masks too
     else:
         make = _classifier
@@ -204,7 +185,7 @@ def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
 
 
 def test_the_model_is_unchanged_it_still_generates_and_saves(rng, tmp_path):
-    model = _tiny_gpt2()
+    model = tiny_gpt2_lm()
     x, y, w = _lm_batch(rng)
     step = effgrad.build_train_step(
         model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.Adam(1e-3)
@@ -240,15 +221,7 @@ _CHILD = textwrap.dedent(
 
 
 def test_the_logits_are_never_made():
-    peaks = {}
-    for method in ("fused", "plain"):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-        done = subprocess.run(
-            [sys.executable, "-c", _CHILD, method], capture_output=True, text=True, env=env, timeout=300
-        )
-        found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
-        assert found, done.stderr[-3000:]
-        peaks[method] = found[0]
+    peaks = in_fresh_processes(_CHILD, {"fused": ["fused"], "plain": ["plain"]})
     logits = 512 * 50_000 * 4  # 98 MiB: one copy
     print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
     assert peaks["plain"] > logits

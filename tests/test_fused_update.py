@@ -1,9 +1,5 @@
 """fused_update: each variable's update as backprop makes its gradient, the same update as the gathered step."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -13,7 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from helpers import mlp, plain_step
+from helpers import in_fresh_processes, mlp, plain_step, tiny_gpt2_lm
 
 
 def _masked_model(seed=0):
@@ -209,51 +205,13 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _peaks(optimizer) -> dict:
-    """Each method's allocator peak in its own process; the processes run side by side."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    procs = {
-        method: subprocess.Popen(
-            [sys.executable, "-c", _CHILD, method, optimizer],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for method in ("keras", "fused", "gathered")
-    }
-    peaks = {}
-    for method, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        found = [json.loads(line[2:]) for line in out.splitlines() if line.startswith("@@")]
-        assert found, err[-3000:]
-        peaks[method] = found[0]
-    return peaks
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_fused_step_holds_no_more_than_keras_where_gathering_holds_a_gradient_more(optimizer):
-    peaks = _peaks(optimizer)
+    peaks = in_fresh_processes(_CHILD, {m: [m, optimizer] for m in ("keras", "fused", "gathered")})
     gradients = 6 * (1024 * 1024 + 1024) * 4
     print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
     assert peaks["fused"] <= 1.05 * peaks["keras"], peaks
     assert peaks["gathered"] >= peaks["fused"] + 0.4 * gradients, peaks  # the feature is what saves it
-
-
-def _tiny_gpt2(seed=0):
-    import keras_hub
-
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=8,
-        dropout=0.1,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
 def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
@@ -264,7 +222,7 @@ def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     results = []
     for fused in (True, False):
-        model, opt = _tiny_gpt2(), keras.optimizers.AdamW(1e-2)
+        model, opt = tiny_gpt2_lm(), keras.optimizers.AdamW(1e-2)
         keras.utils.set_random_seed(3)  # the same dropout draws
         step = effgrad.build_train_step(model, loss, opt, fused_update=fused)
         logs = step(x, y, w)
@@ -277,13 +235,7 @@ def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
 
 def test_auto_counts_the_sequence_length_of_token_models(rng):
     """Per token a language model looks weight-dominated; per sequence of 64 its logits are not."""
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=1000, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=64
-    )
-    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    lm = tiny_gpt2_lm(vocabulary=1000, length=64, dropout=0.0)
     tokens = rng.integers(1, 1000, (2, 64)).astype("int32")
     step = effgrad.build_train_step(
         lm, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.SGD(0.1), fused_loss=False

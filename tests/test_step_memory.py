@@ -1,12 +1,10 @@
 """The step never uses more memory than the Keras feature it replaces (fresh process per measurement)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import in_fresh_processes
 
 _CHILD = textwrap.dedent(
     """
@@ -30,32 +28,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _peaks(configs: list[tuple[str, int]]) -> dict:
-    """Each configuration's allocator peak, measured in its own process; the processes run side by side
-    (each has its own allocator: only the wall time is shared)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
-    procs = {
-        c: subprocess.Popen(
-            [sys.executable, "-c", _CHILD, c[0], str(c[1])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for c in configs
-    }
-    peaks = {}
-    for config, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        found = [json.loads(line[2:]) for line in out.splitlines() if line.startswith("@@")]
-        assert found, err[-3000:]
-        peaks[config] = found[0]
-    return peaks
-
-
 @pytest.fixture(scope="module")
 def peaks():
-    return _peaks([("effgrad", 1), ("keras", 1), ("effgrad", 8), ("keras", 8)])
+    configs = [("effgrad", 1), ("keras", 1), ("effgrad", 8), ("keras", 8)]
+    return in_fresh_processes(_CHILD, {c: list(c) for c in configs})
 
 
 def test_plain_step_peak_is_at_most_keras_train_on_batch(peaks):

@@ -744,6 +744,15 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               gradients outweigh the activations (fine-tuning: the peak drops
               to Keras's, for a second backward pass); ``True`` always,
               ``False`` never. ``step.fused`` says what was chosen.
+            * ``fused_loss``: when the model ends in a projection (a linear
+              ``Dense``, keras_hub's reversed ``ReversibleEmbedding``) and the
+              loss is ``SparseCategoricalCrossentropy(from_logits=True)``,
+              compute it in chunks without ever making the logits
+              (:func:`effgrad.fused_sparse_cross_entropy`). ``"auto"``
+              (default): where it applies, with one line on the ``effgrad``
+              logger saying whether it does and why not; ``True`` refuses
+              with the reason where it cannot; ``False`` never.
+              ``step.fused_loss`` / ``step.fused_loss_reason`` tell.
 
     Returns:
         A :class:`TrainStep`; call it as ``step(x, y, sample_weight=None)``.
