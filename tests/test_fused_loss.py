@@ -144,7 +144,7 @@ def test_fused_loss_under_mirrored_strategy_equals_one_device(strategy, rng):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     with strategy.scope():
         net, opt = _classifier(), keras.optimizers.SGD(0.1)
-    step = effgrad.build_train_step(net, loss, opt, strategy=strategy, micro_batches=2)
+    step = effgrad.build_train_step(net, loss, opt, strategy=strategy, micro_batches=2, fused_loss=True)
     step(x, y)
     assert step.fused_loss
     reference = _classifier()
@@ -156,13 +156,28 @@ def test_fused_loss_under_mirrored_strategy_equals_one_device(strategy, rng):
 def test_auto_says_why_it_does_not_apply_and_true_refuses(rng, caplog):
     activated = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="softmax")])
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = np.ones((4, 4), "float32"), np.zeros(4, "int32")
     with caplog.at_level(logging.INFO, logger="effgrad"):
         step = effgrad.build_train_step(activated, loss, keras.optimizers.SGD(0.1))
+        step(x, y)
     assert step.fused_loss is False and "applies an activation" in caplog.text
     step = effgrad.build_train_step(activated, "mse", keras.optimizers.SGD(0.1))
+    step(x, np.zeros((4, 5), "float32"))
     assert "not SparseCategoricalCrossentropy(from_logits=True)" in step.fused_loss_reason
     with pytest.raises(ValueError, match="fused_loss=True cannot apply: .*applies an activation"):
-        effgrad.build_train_step(activated, loss, keras.optimizers.SGD(0.1), fused_loss=True)
+        effgrad.build_train_step(activated, loss, keras.optimizers.SGD(0.1), fused_loss=True)(x, y)
+
+
+@pytest.mark.parametrize("rows, fused", [(64, False), (65, True)])
+def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projection_inputs(rng, rows, fused):
+    net = _classifier()  # the head projects 16 features: fused from 65 rows
+    x, y = rng.normal(size=(rows, 12)).astype("float32"), rng.integers(0, 300, rows)
+    step = effgrad.build_train_step(
+        net, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.SGD(0.1)
+    )
+    step(x, y)
+    assert step.fused_loss is fused
+    assert fused or "too few next to the projection's 16 inputs" in step.fused_loss_reason
 
 
 def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
@@ -171,7 +186,7 @@ def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for net in (stock, ours):
         net.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-    effgrad.attach(ours)
+    effgrad.attach(ours, fused_loss=True)  # 8 rows: "auto" would not fuse (see the next test)
     h_stock = stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     h_ours = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     assert ours.effgrad_step.fused_loss
@@ -188,7 +203,10 @@ def test_the_model_is_unchanged_it_still_generates_and_saves(rng, tmp_path):
     model = tiny_gpt2_lm()
     x, y, w = _lm_batch(rng)
     step = effgrad.build_train_step(
-        model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.Adam(1e-3)
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(1e-3),
+        fused_loss=True,
     )
     step(x, y, w)
     assert step.fused_loss
