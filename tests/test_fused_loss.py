@@ -90,9 +90,11 @@ def _lm_batch(rng):
     return {"token_ids": tokens, "padding_mask": mask}, np.roll(tokens, -1, axis=1), mask.astype("float32")
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
-@pytest.mark.parametrize("model", ["gpt2", "classifier"])
+@pytest.mark.parametrize(
+    "model, jit_compile, micro_batches",
+    [("gpt2", False, 1), ("gpt2", False, 3), ("gpt2", True, 1), ("classifier", False, 3), ("classifier", True, 3)],
+    ids=["gpt2-function-1", "gpt2-function-3", "gpt2-xla-1", "classifier-function-3", "classifier-xla-3"],
+)
 def test_step_with_the_fused_loss_equals_the_unfused_step(rng, model, jit_compile, micro_batches, caplog):
     if model == "gpt2":
         make, (x, y, w) = tiny_gpt2_lm, _lm_batch(rng)
@@ -169,15 +171,25 @@ def test_auto_says_why_it_does_not_apply_and_true_refuses(rng, caplog):
 
 
 @pytest.mark.parametrize("rows, fused", [(64, False), (65, True)])
-def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projection_inputs(rng, rows, fused):
+def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projection_inputs(
+    rng, monkeypatch, rows, fused
+):
+    monkeypatch.setattr(effgrad.fused_loss, "CHUNK_ELEMENTS", 1000)  # these logits fill several chunks
     net = _classifier()  # the head projects 16 features: fused from 65 rows
     x, y = rng.normal(size=(rows, 12)).astype("float32"), rng.integers(0, 300, rows)
-    step = effgrad.build_train_step(
-        net, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.SGD(0.1)
-    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = effgrad.build_train_step(net, loss, keras.optimizers.SGD(0.1))
     step(x, y)
     assert step.fused_loss is fused
     assert fused or "too few next to the projection's 16 inputs" in step.fused_loss_reason
+
+
+def test_auto_does_not_fuse_logits_that_fit_in_one_chunk(rng):
+    x, y = rng.normal(size=(65, 12)).astype("float32"), rng.integers(0, 300, 65)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = effgrad.build_train_step(_classifier(), loss, keras.optimizers.SGD(0.1))
+    step(x, y)
+    assert step.fused_loss is False and "(65 x 300) fit in one chunk" in step.fused_loss_reason
 
 
 def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):

@@ -37,14 +37,14 @@ from effgrad import _compat
 __all__ = ["fused_sparse_cross_entropy", "Head", "find_head"]
 
 # Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
-_CHUNK_ELEMENTS = 2**22
+CHUNK_ELEMENTS = 2**22
 # Columns of the kernel per chunk in backprop (1,024 rows at a time: 16 MiB of logits).
 _VOCAB_CHUNK = 4096
 
 
 def _chunk_rows(vocabulary: int, chunk_rows: int | None) -> int:
     if chunk_rows is None:
-        return max(8, _CHUNK_ELEMENTS // max(vocabulary, 1))
+        return max(8, CHUNK_ELEMENTS // max(vocabulary, 1))
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}.")
     return chunk_rows
@@ -188,7 +188,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
                 d_loss = tf.where(valid, d_loss, 0.0)
             depth = h.shape[-1]
             lse_rows = tf.reshape(lse, [-1])[:rows]
-            rc = tf.maximum(tf.minimum(max(1, _CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
+            rc = tf.maximum(tf.minimum(max(1, CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
             row_chunks = (rows + rc - 1) // rc
             extra = row_chunks * rc - rows
 

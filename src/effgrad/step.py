@@ -245,8 +245,9 @@ class TrainStep:
 
         Chunks hold about two kernel-sized buffers (the kernel's gradient, summed per vocabulary
         chunk, then joined) where the plain loss holds two or three logits-sized ones: "auto" fuses
-        when a batch has more than ``4 d`` positions (``d`` = the projection's input size).
-        Measured at 512 rows, d = 256: equal peaks; GPT-2 at 2,048 positions: 0.55x.
+        when a batch has more than ``4 d`` positions (``d`` = the projection's input size) and its
+        logits do not fit in one chunk. Measured at 512 rows, d = 256: equal peaks; GPT-2 at 2,048
+        positions: 0.55x.
         """
         option, why_not = self.options.fused_loss, None
         loss = self._objective.single
@@ -265,11 +266,16 @@ class TrainStep:
             if isinstance(head, str):
                 why_not = head
             elif option == "auto" and hint is not None:
-                depth = head.kernel().shape[1 if head.transposed else 0]
-                per_row = math.prod(hint[1] if d is None else d for d in head.trunk.output.shape[1:-1])
-                if hint[0] * per_row <= 4 * depth:
+                depth, classes = head.kernel().shape[::-1] if head.transposed else head.kernel().shape
+                positions = hint[0] * math.prod(hint[1] if d is None else d for d in head.trunk.output.shape[1:-1])
+                if positions * classes <= fused_loss.CHUNK_ELEMENTS:
                     why_not = (
-                        f"a batch of {hint[0] * per_row:,} positions is too few next to the projection's "
+                        f"the batch's logits ({positions:,} x {classes:,}) fit in one chunk: nothing to save; "
+                        "fused_loss=True forces it"
+                    )
+                elif positions <= 4 * depth:
+                    why_not = (
+                        f"a batch of {positions:,} positions is too few next to the projection's "
                         f"{depth:,} inputs for chunks to save memory (from {4 * depth + 1:,}); "
                         "fused_loss=True forces it"
                     )
