@@ -7,14 +7,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.__main__ import SUITES
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Three groups of suites with their plots, so parallel test workers share the ~100 s.
+GROUPS = {
+    "step": (
+        ["accumulation", "step_floor", "fused_loss", "loss_scaling", "diagnostics"],
+        ["accumulation_memory.png", "fused_loss_vocabulary.png", "noise_scale.png", "memory_monitor.png"],
+    ),
+    "checkpointing": (
+        ["checkpointing", "checkpoint_model", "segments", "distributed", "planning"],
+        ["checkpointing_tradeoff.png", "checkpointing_segments.png"],
+    ),
+    "saliency": (["saliency", "saliency_methods", "token_attribution", "token_methods"], ["saliency_scaling.png"]),
+}
 
-def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
+
+def test_the_groups_cover_every_suite():
+    assert sorted(s for suites, _ in GROUPS.values() for s in suites) == sorted(SUITES)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_quick_benchmarks_write_results_tables_and_plots(tmp_path, group):
+    suites, plots = GROUPS[group]
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--quick", "--results", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "run", "--quick", "--results", str(tmp_path), *suites],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -22,23 +43,19 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for suite in SUITES:
+    for suite in suites:
         payload = json.loads((tmp_path / f"{suite}.json").read_text())
         assert payload["environment"]["tensorflow"] and payload["environment"]["cpu"]
         assert payload["rows"], suite
         for row in payload["rows"]:
             assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert (tmp_path / f"{suite}.md").read_text().count("|") > 10
-    remat = [r for r in json.loads((tmp_path / "checkpoint_model.json").read_text())["rows"] if "Remat" in r["method"]]
-    assert "keyword" in remat[0]["error"]  # Keras's RematScope fails in a tf.function (keras #21207)
-    effgrad_rows = [r for r in json.loads((tmp_path / "saliency.json").read_text())["rows"] if "effgrad" in r["method"]]
-    assert effgrad_rows  # effgrad itself never depends on the optional peers
-    for png in (
-        "accumulation_memory.png",
-        "checkpointing_tradeoff.png",
-        "checkpointing_segments.png",
-        "saliency_scaling.png",
-        "noise_scale.png",
-        "memory_monitor.png",
-    ):
+    if group == "checkpointing":
+        rows = json.loads((tmp_path / "checkpoint_model.json").read_text())["rows"]
+        remat = [r for r in rows if "Remat" in r["method"]]
+        assert "keyword" in remat[0]["error"]  # Keras's RematScope fails in a tf.function (keras #21207)
+    if group == "saliency":
+        rows = json.loads((tmp_path / "saliency.json").read_text())["rows"]
+        assert [r for r in rows if "effgrad" in r["method"]]  # effgrad itself never depends on the optional peers
+    for png in plots:
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
