@@ -11,18 +11,22 @@ al. 2025; Liger's fused linear cross-entropy)::
     forward, per chunk c of rows:        z = h_c @ W (+ b) (soft-capped: cap * tanh(z / cap))
                                          lse_c = logsumexp(z);  loss_c = lse_c - z[label]
                                          keep lse_c (one number per row), drop z
-    backward, per chunk, z recomputed:   p = exp(z - lse_c);   dz = (p - onehot(label)) * dloss_c
-                                         dh_c = dz @ W^T;  dW += h_c^T @ dz;  db += sum(dz)
+    backward, per chunk of 4,096 classes j and of rows c, z recomputed:
+                                         p = exp(z_cj - lse_c);  dz = (p - onehot(label)) * dloss_c
+                                         dh_c += dz @ W_j^T;  dW_j += h_c^T @ dz;  db_j += sum(dz)
+                                         W's gradient: the dW_j joined once
 
-Only one chunk's logits (``chunk_rows x V``, 16 MiB by default) exist at a
-time; the loss and every gradient equal the plain computation's (the chunks
-run in float32 whatever the compute dtype).
+Only one chunk's logits (16 MiB of float32 by default) exist at a time, and
+the kernel's gradient is summed per class chunk in a small buffer (summing
+whole kernel-sized gradients over row chunks would keep three of them
+alive). The loss and every gradient equal the plain computation's (the
+chunks run in float32 whatever the compute dtype).
 
 Trap:
     The saving is in the loss, not the model: anything else that reads the
-    logits (a metric on ``y_pred``) would need them again. ``effgrad``'s step
-    computes ``sparse_categorical_accuracy`` per chunk and warns about other
-    metrics rather than report a wrong value.
+    logits needs them. With compiled metrics (``attach``), which read
+    ``y_pred`` every micro-batch, the step does not fuse and its log line
+    says so, rather than report a metric computed on something else.
 """
 
 from __future__ import annotations
