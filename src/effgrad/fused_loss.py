@@ -54,6 +54,8 @@ def _chunk_rows(vocabulary: int, chunk_rows: int | None) -> int:
     return chunk_rows
 
 
+# No AutoGraph: nothing here branches on tensors, so a caller's tf.function need not convert it.
+@tf.autograph.experimental.do_not_convert
 def fused_sparse_cross_entropy(
     hidden,
     kernel,
