@@ -50,7 +50,7 @@ def plot_all() -> list:
             yscale="log",
             xlabel="classes (vocabulary)",
             ylabel="peak MiB",
-            title="one Adam step, batch 512, 256 features",
+            title="one Adam step, 2,048 positions, 64 features",
         )
         ax.legend(fontsize=7)
         written.append(_save(fig, plt, "fused_loss_vocabulary.png"))
