@@ -14,6 +14,7 @@ SUITES = [
     "accumulation",
     "step_floor",
     "fused_loss",
+    "compact_state",
     "loss_scaling",
     "diagnostics",
     "checkpointing",

@@ -54,6 +54,23 @@ def plot_all() -> list:
         )
         ax.legend(fontsize=7)
         written.append(_save(fig, plt, "fused_loss_vocabulary.png"))
+    compact = _load("compact_state")
+    curves = (compact or {"config": {}})["config"].get("curves")
+    if curves:
+        tasks = sorted({key.split("|")[0] for key in curves})
+        fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 3.6), squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for state, style in (("float32", "-"), ("int8", "--"), ("bfloat16", ":")):
+                values = curves[f"{task}|{state}"]
+                window = max(1, len(values) // 40)  # a moving average: steps are noisy
+                smooth = [
+                    sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                    for i in range(len(values))
+                ]
+                ax.plot(range(1, len(values) + 1), smooth, style, label=f"Adam, {state} state")
+            ax.set(xlabel="step", ylabel="training loss (mean of 3 seeds)", title=task, yscale="log")
+            ax.legend(fontsize=7)
+        written.append(_save(fig, plt, "compact_state_convergence.png"))
     ckpt = _load("checkpointing")
     if ckpt:
         models = sorted({r["model"] for r in ckpt["rows"]})

@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Three groups of suites with their plots, so parallel test workers share the ~100 s.
 GROUPS = {
     "step": (
-        ["accumulation", "step_floor", "fused_loss", "loss_scaling", "diagnostics"],
-        ["accumulation_memory.png", "fused_loss_vocabulary.png", "noise_scale.png", "memory_monitor.png"],
+        ["accumulation", "step_floor", "fused_loss", "compact_state", "loss_scaling", "diagnostics"],
+        [
+            "accumulation_memory.png",
+            "fused_loss_vocabulary.png",
+            "compact_state_convergence.png",
+            "noise_scale.png",
+            "memory_monitor.png",
+        ],
     ),
     "checkpointing": (
         ["checkpointing", "checkpoint_model", "segments", "distributed", "planning"],

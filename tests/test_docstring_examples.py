@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
+from effgrad import compact
 
 EXAMPLES = [
     effgrad.build_train_step,
@@ -19,10 +20,16 @@ EXAMPLES = [
     effgrad.DynamicLossScale,
     effgrad.saliency_summary,
     effgrad.fused_sparse_cross_entropy,
+    effgrad.compact_state,
+    compact,  # the module's example
 ]
 
 
-@pytest.mark.parametrize("obj", EXAMPLES, ids=lambda o: o.__qualname__)
+def _name(obj):
+    return getattr(obj, "__qualname__", obj.__name__)
+
+
+@pytest.mark.parametrize("obj", EXAMPLES, ids=_name)
 def test_docstring_example_runs(obj):
     globs = {
         "effgrad": effgrad,
@@ -31,8 +38,8 @@ def test_docstring_example_runs(obj):
         "tf": tf,
         **{n: getattr(effgrad, n) for n in effgrad.__all__},
     }
-    tests = doctest.DocTestFinder(recurse=False).find(obj, obj.__qualname__, globs=globs)
-    assert tests and tests[0].examples, f"{obj.__qualname__} has no example"
+    tests = doctest.DocTestFinder(recurse=False).find(obj, _name(obj), globs=globs)
+    assert tests and tests[0].examples, f"{_name(obj)} has no example"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in tests:
         runner.run(test)

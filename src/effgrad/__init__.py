@@ -38,6 +38,7 @@ if not _quiet.answering_help():
             checkpoint_model,
             checkpoint_sequential,
         )
+        from effgrad.compact import compact_state
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.fit import attach
@@ -64,6 +65,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_model",
     "checkpoint_sequential",
+    "compact_state",
     "diagnostics",
     "fused_sparse_cross_entropy",
     "memory",

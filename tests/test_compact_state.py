@@ -1,0 +1,325 @@
+"""compact_state: int8 block-wise / bfloat16 optimizer slots, updated like float32's, saved and resumed exactly."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+from effgrad.compact import SUPPORTED, CompactSlot, dequantize, quantize
+from helpers import in_fresh_processes
+
+
+def _model(seed=0, features=32, hidden=256):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((features,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+def _data(rng, n=16, features=32):
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+def _changes(make_optimizer, x, y, steps, **options):
+    model = _model()
+    start = [w.copy() for w in model.get_weights()]
+    step = effgrad.build_train_step(model, "mse", make_optimizer(), **options)
+    for _ in range(steps):
+        step(x, y)
+    return [w - s for w, s in zip(model.get_weights(), start)]
+
+
+def _assert_close_in_norm(got, expected, tolerance=1e-3):
+    # A float difference in the last bit can move an entry to the next int8 code: compare in norm.
+    for a, b in zip(got, expected):
+        assert np.linalg.norm(a - b) <= tolerance * np.linalg.norm(b) + 1e-7
+
+
+def _state_bytes(optimizer):
+    return sum(v.numpy().nbytes for v in optimizer.variables)
+
+
+@pytest.mark.parametrize("signs", ["mixed", "nonnegative"])
+def test_quantization_error_is_bounded_per_block_on_the_fourth_root_scale(rng, signs):
+    # Magnitudes over 8 decades, as an Adam second moment has; some blocks all zero.
+    x = 10.0 ** rng.uniform(-8, 0, size=(5, 1000)) * rng.uniform(0.5, 2, size=(5, 1))
+    if signs == "mixed":
+        x *= rng.choice([-1.0, 1.0], size=x.shape)
+    x[2] = 0.0
+    x = x.astype("float32").ravel()
+    codes, scales = quantize(tf.constant(x), 1000)
+    assert codes.dtype == tf.int8 and codes.shape == (5, 1000) and scales.shape == (5,)
+    back = dequantize(codes, scales, x.shape).numpy()
+    levels = 255.0 if signs == "nonnegative" else 127.0
+    assert np.all(((scales.numpy() < 0) == (signs == "nonnegative")) | (scales.numpy() == 0))  # the map used
+    blocks, back_blocks = x.reshape(5, 1000), back.reshape(5, 1000)
+    absmax = np.abs(blocks).max(1, keepdims=True)
+    # Rounding t = u**(1/4) by at most 1/(2L) moves x = t**4 by at most 4 * (1/(2L)) (times the scale)...
+    assert np.all(np.abs(back_blocks - blocks) <= 2.01 / levels * absmax + 1e-12)
+    np.testing.assert_array_equal(back_blocks[2], 0.0)
+    assert np.all(np.sign(back) * np.sign(x) >= 0)  # never the wrong sign
+    # ...and relatively by (1 + 1/(2 L t))**4 - 1: small entries keep their size (linear codes round them to 0).
+    u = np.abs(blocks) / np.where(absmax > 0, absmax, 1)
+    kept = u >= 1e-4
+    relative = np.abs(back_blocks - blocks)[kept] / np.abs(blocks)[kept]
+    assert np.all(relative <= 1.01 * ((1 + 0.5 / (levels * u[kept] ** 0.25)) ** 4 - 1))
+    assert np.all(back_blocks[kept] != 0)
+
+
+def test_padding_and_shapes_round_trip():
+    x = tf.reshape(tf.range(-35.0, 35.0), [7, 10])  # 70 numbers: blocks of 32 with padding
+    codes, scales = quantize(x, 32)
+    assert codes.shape == (3, 32)
+    back = dequantize(codes, scales, (7, 10))
+    assert back.shape == (7, 10)
+    np.testing.assert_allclose(back.numpy(), x.numpy(), atol=2.01 / 127 * 35)
+
+
+@pytest.mark.parametrize("dtype, ratio", [("int8", 0.27), ("bfloat16", 0.5)])
+def test_state_bytes_shrink_to_the_documented_ratio(dtype, ratio):
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512), keras.layers.Dense(256)])
+    plain, compact = keras.optimizers.Adam(), effgrad.compact_state(keras.optimizers.Adam(), dtype=dtype)
+    plain.build(model.trainable_variables)
+    compact.build(model.trainable_variables)
+    small = sum(v.numpy().nbytes for v in plain.variables if v.shape.num_elements() < 4096)
+    large = _state_bytes(plain) - small
+    assert _state_bytes(compact) - small <= ratio * large + 64
+    assert isinstance(compact._momentums[0], CompactSlot) and not isinstance(compact._momentums[1], CompactSlot)
+
+
+@pytest.mark.parametrize("base", SUPPORTED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_every_supported_optimizer_updates_like_its_float32_self(rng, base, dtype):
+    kwargs = {"momentum": 0.9} if base is keras.optimizers.SGD else {}
+    x, y = _data(rng)
+    min_size = 0 if base is keras.optimizers.Adafactor else 4096  # its unfactored slots are the vectors
+
+    def make(compact=False):
+        opt = base(learning_rate=0.01, **kwargs)
+        return effgrad.compact_state(opt, dtype=dtype, min_size=min_size) if compact else opt
+
+    # From zero state the first update uses the exact float32 moments: the same step (Adagrad's
+    # and Ftrl's initial 0.1 is not a bfloat16 number).
+    if dtype == "int8" or base not in (keras.optimizers.Adagrad, keras.optimizers.Ftrl):
+        assert_variables_close(_changes(make, x, y, 1), _changes(lambda: make(True), x, y, 1), rtol=1e-5, atol=1e-7)
+    # Then the stored moments differ by their rounding: the change over 5 steps stays close.
+    ref, got = _changes(make, x, y, 5), _changes(lambda: make(True), x, y, 5)
+    tolerance = {"int8": 0.03, "bfloat16": 0.015}[dtype]
+    if base is keras.optimizers.Lion:  # a sign per entry: those whose moment is near 0 may flip
+        assert all(np.mean(np.abs(a - b) > 1e-6) <= 3 * tolerance for a, b in zip(got, ref))
+    else:
+        _assert_close_in_norm(got, ref, tolerance)
+
+
+def test_the_stored_state_is_compact_and_holds_the_moments(rng):
+    x, y = _data(rng)
+    model, opt = _model(), effgrad.compact_state(keras.optimizers.Adam(0.01))
+    reference, ref_opt = _model(), keras.optimizers.Adam(0.01)
+    effgrad.build_train_step(model, "mse", opt)(x, y)
+    effgrad.build_train_step(reference, "mse", ref_opt)(x, y)
+    slot = opt._velocities[0]
+    assert [str(v.dtype) for v in slot._storage] == ["int8", "float32"]
+    v = ref_opt._velocities[0].numpy()
+    np.testing.assert_allclose(tf.convert_to_tensor(slot).numpy(), v, atol=2.01 / 255 * np.abs(v).max())
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_compact_steps_agree_in_eager_function_and_xla(rng, mode):
+    x, y = _data(rng)
+    reference = _changes(lambda: effgrad.compact_state(keras.optimizers.Adam(0.01)), x, y, 3)
+    tf.config.run_functions_eagerly(mode == "eager")
+    try:
+        got = _changes(lambda: effgrad.compact_state(keras.optimizers.Adam(0.01)), x, y, 3, jit_compile=mode == "xla")
+    finally:
+        tf.config.run_functions_eagerly(False)
+    _assert_close_in_norm(got, reference)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"fused_update": True}, {"micro_batches": 2}, {"loss_scale": 1024.0}, {"clip_norm": 0.1}],
+    ids=lambda o: next(iter(o)),
+)
+def test_compact_state_composes_with_the_steps_options(rng, options):
+    x, y = _data(rng)
+
+    def make():
+        return effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1))
+
+    plain = _changes(make, x, y, 3, **({"clip_norm": 0.1} if "clip_norm" in options else {}))
+    _assert_close_in_norm(_changes(make, x, y, 3, **options), plain)
+
+
+def test_mirrored_strategy_matches_one_device(rng, strategy):
+    x, y = _data(rng)
+
+    def make():
+        return effgrad.compact_state(keras.optimizers.Adam(0.01))
+
+    reference = _changes(make, x, y, 3)
+    with strategy.scope():
+        model = _model()
+        opt = make()
+    start = [w.copy() for w in model.get_weights()]
+    step = effgrad.build_train_step(model, "mse", opt, strategy=strategy)
+    for _ in range(3):
+        step(x, y)
+    got = [w - s for w, s in zip(model.get_weights(), start)]
+    _assert_close_in_norm(got, reference)
+    assert any(str(v.dtype) == "int8" for v in opt.variables)
+
+
+def test_a_learning_rate_schedule_is_kept_and_followed(rng):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5)
+    opt = effgrad.compact_state(keras.optimizers.Adam(schedule))
+    assert opt._learning_rate is schedule
+    x, y = _data(rng)
+    model = _model()
+    step = effgrad.build_train_step(model, "mse", opt)
+    step(x, y)
+    step(x, y)
+    np.testing.assert_allclose(float(opt.learning_rate), 0.05 * 0.25, rtol=1e-6)
+
+
+def test_embedding_rows_get_sparse_updates_like_float32(rng):
+    tokens = rng.integers(0, 1000, size=(8, 5)).astype("int32")
+    labels = rng.integers(0, 4, size=(8, 5))
+
+    def run(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((5,), dtype="int32"), keras.layers.Embedding(1000, 16), keras.layers.Dense(4)]
+        )
+        table = model.layers[0].embeddings.numpy().copy()
+        step = effgrad.build_train_step(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
+        for _ in range(3):
+            step(tokens, labels)
+        return model.layers[0].embeddings.numpy() - table
+
+    plain = run(keras.optimizers.Adam(0.01))
+    compact = run(effgrad.compact_state(keras.optimizers.Adam(0.01)))
+    unused = np.setdiff1d(np.arange(1000), tokens)
+    np.testing.assert_array_equal(compact[unused], 0.0)  # rows never looked up never move
+    assert np.linalg.norm(compact - plain) <= 0.03 * np.linalg.norm(plain)
+
+
+def _fit_then_continue(model, x, y, steps=2):
+    for _ in range(steps):
+        model.train_on_batch(x, y)
+    return [w.copy() for w in model.get_weights()]
+
+
+def test_keras_file_saves_the_compact_state_and_resumes_bit_identically(rng, tmp_path):
+    x, y = _data(rng)
+    model = _model()
+    model.compile(effgrad.compact_state(keras.optimizers.Adam(0.01)), "mse")
+    _fit_then_continue(model, x, y)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer).__name__ == "CompactAdam" and loaded.optimizer.compact_dtype == "int8"
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(_fit_then_continue(loaded, x, y), _fit_then_continue(model, x, y)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tf_train_checkpoint_restores_the_compact_state_bit_identically(rng, tmp_path):
+    x, y = _data(rng)
+
+    def fresh():
+        model, opt = _model(), effgrad.compact_state(keras.optimizers.Adam(0.01), dtype="bfloat16")
+        return model, opt, effgrad.build_train_step(model, "mse", opt)
+
+    model, opt, step = fresh()
+    step(x, y)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    step(x, y)
+    expected = [w.copy() for w in model.get_weights()]
+    model2, opt2, step2 = fresh()
+    opt2.build(model2.trainable_variables)
+    tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path).assert_consumed()
+    step2(x, y)
+    for a, b in zip(model2.get_weights(), expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_attach_and_fit_train_with_compact_state(rng):
+    x, y = _data(rng, n=64)
+    model = _model()
+    model.compile(effgrad.compact_state(keras.optimizers.Adam(0.01)), "mse")
+    effgrad.attach(model, micro_batches=2)
+    reference = _model()
+    reference.compile(keras.optimizers.Adam(0.01), "mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    assert any(str(v.dtype) == "int8" for v in model.optimizer.variables)
+    np.testing.assert_allclose(history, expected, rtol=0.02)
+
+
+def test_bad_optimizers_and_arguments_are_refused_with_the_fix():
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        effgrad.compact_state("adam")
+    with pytest.raises(TypeError, match="inner optimizer"):
+        effgrad.compact_state(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
+    with pytest.raises(TypeError, match="per-variable optimizers"):
+        effgrad.compact_state(keras.optimizers.Muon())
+    with pytest.raises(TypeError, match="already keeps compact state"):
+        effgrad.compact_state(effgrad.compact_state(keras.optimizers.Adam()))
+    built = keras.optimizers.Adam()
+    built.build(_model().trainable_variables)
+    with pytest.raises(ValueError, match="before the first step"):
+        effgrad.compact_state(built)
+    with pytest.raises(ValueError, match="one of"):
+        effgrad.compact_state(keras.optimizers.Adam(), dtype="float16")
+    with pytest.raises(ValueError, match="block_size"):
+        effgrad.compact_state(keras.optimizers.Adam(), block_size=0)
+    with pytest.raises(ValueError, match="min_size"):
+        effgrad.compact_state(keras.optimizers.Adam(), min_size=-1)
+
+
+_CHILD = """
+import json, sys
+import keras, numpy as np, tensorflow as tf
+import effgrad
+state, fused = sys.argv[1], sys.argv[2] == "1"
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(6)])
+x, y = tf.random.normal((16, 1024)), tf.random.normal((16, 1024))
+opt = keras.optimizers.Adam(1e-4)
+if state != "float32":
+    opt = effgrad.compact_state(opt, dtype=state)
+step = effgrad.build_train_step(model, "mse", opt, fused_update=fused)
+step(x, y)
+peaks = [effgrad.memory.measure(lambda: step(x, y)["loss"]).peak_bytes for _ in range(3)]
+print("@@" + json.dumps(min(peaks)))
+"""
+
+
+def test_the_step_peak_falls_by_most_of_the_state_it_no_longer_keeps():
+    runs = {f"{s} {f}": [s, f] for s in ("float32", "int8") for f in (0, 1)}
+    peaks = in_fresh_processes(_CHILD, runs)
+    slots = 6 * 2 * 1024 * 1024 * 4  # Adam's two float32 moments of six 4 MiB kernels
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
+    # int8 keeps a quarter of them; expanding every slot at once (nothing ordering the updates)
+    # would give back most of the saving.
+    assert peaks["int8 0"] <= peaks["float32 0"] - 0.5 * slots, peaks
+    # Fused, the slower compact updates let backprop run ahead and gradients wait (measured:
+    # benchmarks/compact_state.py): still no more than float32's fused step.
+    assert peaks["int8 1"] <= peaks["float32 1"], peaks
+
+
+def test_the_planner_counts_the_compact_state(rng):
+    x, y = rng.normal(size=(64, 256)).astype("float32"), rng.normal(size=(64, 256)).astype("float32")
+
+    def planned_peak(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256) for _ in range(4)])
+        return effgrad.plan(model, "mse", optimizer, x, y, budget="64MiB").peak_bytes
+
+    plain = planned_peak(keras.optimizers.Adam())
+    compact = planned_peak(effgrad.compact_state(keras.optimizers.Adam()))
+    slots = 4 * 2 * 256 * 256 * 4  # Adam's float32 moments of the four kernels
+    assert compact <= plain - 0.5 * slots, (plain, compact)
