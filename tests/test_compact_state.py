@@ -1,5 +1,7 @@
 """compact_state: int8 block-wise / bfloat16 optimizer slots, updated like float32's, saved and resumed exactly."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from effgrad import compact
 from effgrad.compact import SUPPORTED, CompactSlot, dequantize, quantize
 from helpers import in_fresh_processes
 
@@ -111,6 +114,40 @@ def test_every_supported_optimizer_updates_like_its_float32_self(rng, base, dtyp
         assert all(np.mean(np.abs(a - b) > 1e-6) <= 3 * tolerance for a, b in zip(got, ref))
     else:
         _assert_close_in_norm(got, ref, tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("mode", ["function", "xla", "mirrored"])
+def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatch, strategy, dtype, mode):
+    x = rng.normal(size=(16, 40)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+
+    def run(part_elements):
+        monkeypatch.setattr(compact, "PART_ELEMENTS", part_elements)
+        with strategy.scope() if mode == "mirrored" else contextlib.nullcontext():
+            model = _model(features=40)  # a [40, 256] kernel: parts of 16, 16 and 8 rows
+            opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype=dtype)
+        options = {"strategy": strategy} if mode == "mirrored" else {"jit_compile": mode == "xla"}
+        step = effgrad.build_train_step(model, "mse", opt, **options)
+        for _ in range(3):
+            step(x, y)
+        return [v.numpy() for v in [*model.variables, *opt.variables]]
+
+    calls = []
+    monkeypatch.setattr(compact, "_Rows", _counting(compact._Rows, calls))
+    whole, parts = run(10**9), run(4096)
+    assert len(calls) == 3 * (2 if mode == "mirrored" else 1)  # 3 parts of the kernel (per replica), one trace
+    for a, b in zip(parts, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _counting(cls, calls):
+    class Counted(cls):
+        def __init__(self, *args):
+            calls.append(args[1:])
+            super().__init__(*args)
+
+    return Counted
 
 
 def test_the_stored_state_is_compact_and_holds_the_moments(rng):
@@ -312,14 +349,28 @@ def test_the_step_peak_falls_by_most_of_the_state_it_no_longer_keeps():
 
 
 def test_the_planner_counts_the_compact_state(rng):
-    x, y = rng.normal(size=(64, 256)).astype("float32"), rng.normal(size=(64, 256)).astype("float32")
+    x, y = rng.normal(size=(32, 256)).astype("float32"), rng.normal(size=(32, 256)).astype("float32")
 
     def planned_peak(optimizer):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256) for _ in range(4)])
+        model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256) for _ in range(12)])
         return effgrad.plan(model, "mse", optimizer, x, y, budget="64MiB").peak_bytes
 
     plain = planned_peak(keras.optimizers.Adam())
     compact = planned_peak(effgrad.compact_state(keras.optimizers.Adam()))
-    slots = 4 * 2 * 256 * 256 * 4  # Adam's float32 moments of the four kernels
+    slots = 12 * 2 * 256 * 256 * 4  # Adam's float32 moments of the twelve kernels
+    # int8 keeps a quarter of them, and expands one kernel's at a time.
     assert compact <= plain - 0.5 * slots, (plain, compact)
+
+
+def test_auto_does_not_fuse_updates_of_compact_state(rng):
+    # Weights outweigh activations: float32 Adam fuses, compact state gathers (it keeps less).
+    x, y = rng.normal(size=(4, 256)).astype("float32"), rng.normal(size=(4, 256)).astype("float32")
+    fused = {}
+    for name, opt in (("float32", keras.optimizers.Adam()), ("int8", effgrad.compact_state(keras.optimizers.Adam()))):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256) for _ in range(3)])
+        step = effgrad.build_train_step(model, "mse", opt)
+        step(x, y)
+        fused[name] = step.fused
+    assert fused == {"float32": True, "int8": False}

@@ -59,6 +59,8 @@ DTYPES = ("int8", "bfloat16")
 POWER = 4  # the companding exponent (see the module docstring for the measurement)
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
 
+PART_ELEMENTS = 2**20  # large variables are updated this many numbers (4 MiB of float32) at a time
+
 # Keras's per-variable optimizers: each reads and writes its slots only through
 # `self.assign*` and ops on the slot, which a CompactSlot answers.
 SUPPORTED = (
@@ -75,6 +77,8 @@ SUPPORTED = (
     keras.optimizers.Lamb,
     keras.optimizers.Ftrl,
 )
+# Whose update of each number depends on that number alone: they can update a variable in parts.
+ELEMENTWISE = tuple(c for c in SUPPORTED if c not in (keras.optimizers.Adafactor, keras.optimizers.Lamb))
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -126,6 +130,7 @@ class CompactSlot:
         self._block = optimizer.block_size
         self._owner = optimizer
         self._current = None
+        self._window = None  # (first row, end row) while a large variable is updated in parts
         initializer = keras.initializers.get(initializer)
         zeros = isinstance(initializer, keras.initializers.Zeros)
 
@@ -146,15 +151,15 @@ class CompactSlot:
             )
 
     def value(self) -> tf.Tensor:
-        """The slot as a float32 tensor (kept for the rest of this update)."""
+        """The slot (or its rows in the current window) as float32, kept for the rest of this update."""
         if self._current is None:
             # Read here, in this device's update context: a distributed variable passed into
             # a tf.function would be read there as its first replica's copy.
-            stored = [tf.convert_to_tensor(variable) for variable in self._storage]
+            stored = [self._read(variable) for variable in self._storage]
             if self._mode == "bfloat16":
                 self._current = tf.cast(stored[0], tf.float32)
             else:
-                self._current = dequantize(*stored, self.shape)
+                self._current = dequantize(*stored, self._window_shape())
             self._owner._touched.append(self)
         return self._current
 
@@ -165,11 +170,35 @@ class CompactSlot:
         else:
             stored = quantize(value, self._block)
         for variable, tensor in zip(self._storage, stored):
-            variable.assign(tensor)
+            if self._window is None:
+                variable.assign(tensor)
+            else:
+                variable.value.scatter_update(tf.IndexedSlices(tensor, self._window_indices()))
         self._owner._stored.extend(stored)
         if self._current is None:
             self._owner._touched.append(self)
         self._current = value
+
+    def _read(self, variable):
+        if self._window is None:
+            return tf.convert_to_tensor(variable)
+        # The window's copy (the read itself aliases the buffer and is gone before the write).
+        return tf.gather(tf.convert_to_tensor(variable), self._window_indices())
+
+    def _window_shape(self):
+        if self._window is None:
+            return self.shape
+        first, last = self._window
+        return (last - first, *self.shape[1:])
+
+    def _window_indices(self):
+        # Storage rows of the window: the variable's rows for bfloat16, int8 blocks otherwise
+        # (windows start on a block boundary; the last one may end in the padding).
+        first, last = self._window
+        if self._mode == "bfloat16":
+            return tf.range(first, last)
+        per_row = math.prod(self.shape[1:])
+        return tf.range(first * per_row // self._block, -(-last * per_row // self._block))
 
     def assign_add(self, value) -> None:
         self.assign(self.value() + _dense(value))
@@ -179,6 +208,7 @@ class CompactSlot:
 
     def forget(self) -> None:
         self._current = None
+        self._window = None
 
     def __tf_tensor__(self, dtype=None, name=None):
         value = self.value()
@@ -219,6 +249,24 @@ class CompactSlot:
         return self.value() ** other
 
 
+class _Rows:
+    """Rows ``[first, end)`` of a model variable, read and written in place (gather and scatter)."""
+
+    def __init__(self, variable, first: int, end: int):
+        self.parent = variable
+        self.dtype = variable.dtype
+        self.shape = (end - first, *variable.shape[1:])
+        self._indices = tf.range(first, end)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        value = self.parent.sparse_read(self._indices)
+        return value if dtype is None else tf.cast(value, dtype)
+
+    def write(self, method: str, value) -> None:
+        value = tf.cast(_dense(value), self.dtype)
+        getattr(self.parent, method)(tf.IndexedSlices(value, self._indices))
+
+
 def _dense(value):
     return tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value
 
@@ -238,14 +286,16 @@ class _CompactState:
         self.min_size = min_size
         # Per variable update, the slots it expanded and what it stored; then, per device, what the
         # last update stored (the next one waits for it). Not state: kept out of tracking.
-        self.__dict__.update(_touched=[], _stored=[], _chain={}, _chain_graph=None)
+        self.__dict__.update(_touched=[], _stored=[], _chain={}, _chain_graph=None, _slots_of={})
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         size = math.prod(reference_variable.shape)
         if name in FLOAT32_SLOTS or size < self.min_size or not keras.backend.is_float_dtype(reference_variable.dtype):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         path = getattr(reference_variable, "path", reference_variable.name)
-        return CompactSlot(self, reference_variable, f"{path.replace('/', '_')}_{name or 'var'}", initializer)
+        slot = CompactSlot(self, reference_variable, f"{path.replace('/', '_')}_{name or 'var'}", initializer)
+        self._slots_of.setdefault(self._var_key(reference_variable), []).append(slot)
+        return slot
 
     def _add_storage(self, reference, name, shape, dtype, initializer):
         # Next to the weight it describes, as Keras places its own slots.
@@ -269,6 +319,38 @@ class _CompactState:
         return super().apply(list(grads)[::-1], variables[::-1])
 
     def update_step(self, gradient, variable, learning_rate):
+        """The optimizer's update, in parts of rows for large variables, each after the previous.
+
+        Expanded to float32, one update holds about seven copies of its slots' size (old and
+        new moments, the gradient's square, the step); a 16 MiB kernel's would outweigh its
+        int8 state. Elementwise optimizers update rows ``[first, end)`` at a time instead.
+        """
+        for first, end in self._parts(gradient, variable):
+            if first is None:
+                self._update_part(gradient, variable, learning_rate)
+                continue
+            for slot in self._slots_of.get(self._var_key(variable), []):
+                slot._window = (first, end)
+            self._update_part(gradient[first:end], _Rows(variable, first, end), learning_rate)
+
+    def _parts(self, gradient, variable):
+        per_row = math.prod(variable.shape[1:])
+        rows = variable.shape[0] if variable.shape.rank else 1
+        if (
+            self._base not in ELEMENTWISE
+            or isinstance(gradient, tf.IndexedSlices)
+            or math.prod(variable.shape) <= PART_ELEMENTS
+            or self._var_key(variable) not in self._slots_of
+        ):
+            return [(None, None)]
+        # Whole int8 blocks per part: a part's first row starts a block.
+        align = 1 if self.compact_dtype == "bfloat16" else self.block_size // math.gcd(per_row, self.block_size)
+        step = max(align, PART_ELEMENTS // per_row // align * align)
+        if step >= rows:
+            return [(None, None)]
+        return [(first, min(first + step, rows)) for first in range(0, rows, step)]
+
+    def _update_part(self, gradient, variable, learning_rate):
         try:
             if tf.executing_eagerly():
                 return super().update_step(gradient, variable, learning_rate)
@@ -276,22 +358,27 @@ class _CompactState:
             if self._chain_graph is not graph:
                 self._chain.clear()
                 self.__dict__["_chain_graph"] = graph
-            device = getattr(variable, "device", "")
+            device = getattr(variable, "device", None) or getattr(variable.parent, "device", "")
             # After its gradient (expanding a slot needs only the slot: it could otherwise run at
-            # once, before backprop) and after the previous update on this device stored its slots.
+            # once, before backprop) and after the previous part on this device stored its slots.
             ready = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
             with tf.control_dependencies([ready, *self._chain.get(device, [])]):
                 super().update_step(gradient, variable, learning_rate)
             if self._stored:
                 self._chain[device] = list(self._stored)
         finally:
-            # The float32 values belong to this variable's update (and this graph).
+            # The float32 values belong to this part's update (and this graph).
             for slot in self._touched:
                 slot.forget()
             self._touched.clear()
             self._stored.clear()
 
+    def _get_variable_index(self, variable):
+        return super()._get_variable_index(variable.parent if isinstance(variable, _Rows) else variable)
+
     def assign(self, variable, value):
+        if isinstance(variable, _Rows):
+            return variable.write("scatter_update", value)
         if isinstance(variable, CompactSlot):
             if isinstance(value, tf.IndexedSlices):
                 value = tf.tensor_scatter_nd_update(variable.value(), value.indices[:, None], value.values)
@@ -299,11 +386,15 @@ class _CompactState:
         return super().assign(variable, value)
 
     def assign_add(self, variable, value):
+        if isinstance(variable, _Rows):
+            return variable.write("scatter_add", value)
         if isinstance(variable, CompactSlot):
             return variable.assign_add(value)
         return super().assign_add(variable, value)
 
     def assign_sub(self, variable, value):
+        if isinstance(variable, _Rows):
+            return variable.write("scatter_sub", value)
         if isinstance(variable, CompactSlot):
             return variable.assign_sub(value)
         return super().assign_sub(variable, value)
@@ -325,6 +416,7 @@ def _compact_class(base):
         {
             "__module__": __name__,
             "__doc__": f"``keras.optimizers.{base.__name__}`` with compact state (effgrad).",
+            "_base": base,
         },
     )
     # Registered at import: a .keras file with this optimizer loads after `import effgrad`.

@@ -528,7 +528,11 @@ class TrainStep:
             return False
         if option is True:
             return True
-        if hint is None:
+        if hint is None or getattr(self.optimizer, "compact_dtype", None):
+            # Compact state: the updates run one after another (each expands its slots), and
+            # backprop runs ahead of them holding the gradients: measured, the fused step then
+            # keeps as much as the gathered one, for a second backward pass
+            # (benchmarks/compact_state.py).
             return False
         rows, extent = hint
         per_row = graph.activation_bytes_per_row(self.model, unknown=extent)  # a sequence: T per unknown axis
@@ -763,8 +767,10 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               first only decides finiteness and the clip norm, so a skipped
               step still changes nothing). ``"auto"`` (default) fuses when the
               gradients outweigh the activations (fine-tuning: the peak drops
-              to Keras's, for a second backward pass); ``True`` always,
-              ``False`` never. ``step.fused`` says what was chosen.
+              to Keras's, for a second backward pass) and the optimizer's
+              state is not compact (:func:`effgrad.compact_state`, whose
+              updates backprop outruns); ``True`` always, ``False`` never.
+              ``step.fused`` says what was chosen.
             * ``fused_loss``: when the model ends in a projection (a linear
               ``Dense``, keras_hub's reversed ``ReversibleEmbedding``) and the
               loss is ``SparseCategoricalCrossentropy(from_logits=True)``,
