@@ -5,7 +5,8 @@ fine-tuning step whose gradients are consumed in backward
 (``fused_update``) they are the largest thing left. :func:`compact_state`
 returns the same optimizer with each slot stored in 8 or 16 bits; each
 variable's slots are expanded to float32, updated and compressed again
-inside that variable's own update, so no float32 copy of all slots exists.
+inside that variable's own update (large variables in parts of rows, one
+after another), so no float32 copy of all slots exists.
 
 int8 is block-wise (Dettmers et al., "8-bit Optimizers via Block-wise
 Quantization", ICLR 2022): the slot is cut into blocks of ``block_size``
