@@ -61,7 +61,9 @@ def plot_all() -> list:
         fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 3.6), squeeze=False)
         for ax, task in zip(axes[0], tasks):
             for state, style in (("float32", "-"), ("int8", "--"), ("bfloat16", ":")):
-                values = curves[f"{task}|{state}"]
+                values = curves.get(f"{task}|{state}")
+                if values is None:
+                    continue
                 window = max(1, len(values) // 40)  # a moving average: steps are noisy
                 smooth = [
                     sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
