@@ -57,7 +57,6 @@ import tensorflow as tf
 from effgrad import _checks
 
 DTYPES = ("int8", "bfloat16")
-POWER = 4  # the companding exponent (see the module docstring for the measurement)
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
 
 PART_ELEMENTS = 2**20  # large variables are updated this many numbers (4 MiB of float32) at a time
@@ -109,7 +108,7 @@ def dequantize(codes: tf.Tensor, scales: tf.Tensor, shape) -> tf.Tensor:
     offset = tf.where(unsigned, 128.0, 0.0)[:, None]
     step = tf.where(unsigned, 1.0 / 255.0, 1.0 / 127.0)[:, None]
     q = (codes + offset) * step
-    blocks = q * tf.abs(q) * tf.square(q) * tf.abs(scales)[:, None]  # sign * |q| ** POWER * scale
+    blocks = q * tf.abs(q) * tf.square(q) * tf.abs(scales)[:, None]  # sign * |q| ** 4 * scale
     size = math.prod(shape)
     return tf.reshape(tf.reshape(blocks, [-1])[:size], shape)
 
@@ -326,30 +325,28 @@ class _CompactState:
         new moments, the gradient's square, the step); a 16 MiB kernel's would outweigh its
         int8 state. Elementwise optimizers update rows ``[first, end)`` at a time instead.
         """
-        for first, end in self._parts(gradient, variable):
-            if first is None:
-                self._update_part(gradient, variable, learning_rate)
-                continue
-            for slot in self._slots_of.get(self._var_key(variable), []):
+        parts = self._parts(gradient, variable)
+        if not parts:
+            return self._update_part(gradient, variable, learning_rate)
+        for first, end in parts:
+            for slot in self._slots_of[self._var_key(variable)]:
                 slot._window = (first, end)
             self._update_part(gradient[first:end], _Rows(variable, first, end), learning_rate)
 
-    def _parts(self, gradient, variable):
-        per_row = math.prod(variable.shape[1:])
-        rows = variable.shape[0] if variable.shape.rank else 1
+    def _parts(self, gradient, variable) -> list[tuple[int, int]]:
+        """Row ranges to update one after another, or ``[]``: the variable at once."""
         if (
             self._base not in ELEMENTWISE
             or isinstance(gradient, tf.IndexedSlices)
             or math.prod(variable.shape) <= PART_ELEMENTS
             or self._var_key(variable) not in self._slots_of
         ):
-            return [(None, None)]
+            return []
+        per_row, rows = math.prod(variable.shape[1:]), variable.shape[0]
         # Whole int8 blocks per part: a part's first row starts a block.
         align = 1 if self.compact_dtype == "bfloat16" else self.block_size // math.gcd(per_row, self.block_size)
         step = max(align, PART_ELEMENTS // per_row // align * align)
-        if step >= rows:
-            return [(None, None)]
-        return [(first, min(first + step, rows)) for first in range(0, rows, step)]
+        return [(first, min(first + step, rows)) for first in range(0, rows, step)] if step < rows else []
 
     def _update_part(self, gradient, variable, learning_rate):
         try:
