@@ -79,8 +79,11 @@ def child(config: dict) -> dict:
             k *= 2
         search_seconds = time.perf_counter() - start
         if plan is not None:
-            for c in plan.table:  # every candidate's prediction against a measurement
-                if c.predicted_bytes is not None and (c.measured_bytes is not None or not config["quick"]):
+            # Every candidate's prediction against a measurement (quick: the chosen one's code path).
+            chosen = [c for c in plan.table if (c.micro_batches, c.segments) == (plan.micro_batches, plan.segments)]
+            table = chosen if config["quick"] else plan.table
+            for c in table:
+                if c.predicted_bytes is not None:
                     measured = probe.measure(c.micro_batches, c.segments).measured_bytes
                     errors.append(c.predicted_bytes / measured - 1)
         rows.append(
