@@ -49,7 +49,7 @@ def _measured_peak(model, x, y, micro_batches, segments, optimizer=None):
 
 # Batch sizes where activations, not the fixed part (weights, Adam state, the CPU backend's
 # convolution workspace: ~60 MiB here), set the plain peak: there is room to plan in between.
-@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 2048), (_conv, (16, 16, 3), 1024)])
+@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 1024), (_conv, (16, 16, 3), 512)])
 def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng, make, shape, n):
     model = make()
     x, y = _data(rng, shape, n)
@@ -74,7 +74,7 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
 
 
 def test_planned_step_is_still_the_full_batch_update(rng):
-    x, y = _data(rng, (32,), 2048)
+    x, y = _data(rng, (32,), 1024)
     planned_model, plain_model = _wide_mlp(), _wide_mlp()
     budget = int(0.7 * _measured_peak(_wide_mlp(), x, y, 1, None, keras.optimizers.SGD(0.1)))
     step = effgrad.build_train_step(
@@ -105,7 +105,7 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng):
 def test_nothing_fits_names_the_smallest_peak_and_what_dominates(rng):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
-    x, y = _data(rng, (32,), 256)
+    x, y = _data(rng, (32,), 32)
     with pytest.raises(ValueError, match=r"smallest peak achievable is [\d.,]+ MiB .*does not shrink.*dominate"):
         effgrad.plan(model, _LOSS, keras.optimizers.Adam(), x, y, budget=50_000)
 
@@ -127,16 +127,16 @@ def test_budget_forms():
 
 
 def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng):
-    x, y = _data(rng, (32,), 2048)
+    x, y = _data(rng, (32,), 1024)
     planned, stock = _wide_mlp(), _wide_mlp()
     for m in (planned, stock):
         m.compile(optimizer=keras.optimizers.SGD(0.05), loss=_LOSS)
-    plain_peak = _measured_peak(_wide_mlp(), x[:1024], y[:1024], 1, None, keras.optimizers.SGD(0.05))  # fit's batch
+    plain_peak = _measured_peak(_wide_mlp(), x[:512], y[:512], 1, None, keras.optimizers.SGD(0.05))  # fit's batch
     effgrad.attach(planned, micro_batches="auto", memory_budget=int(0.7 * plain_peak))
     assert planned.effgrad_plan is None
-    history = planned.fit(x, y, batch_size=1024, epochs=1, shuffle=False, verbose=0)
+    history = planned.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
     assert planned.effgrad_plan.micro_batches > 1 and planned.effgrad_step.micro_batches > 1
-    stock_history = stock.fit(x, y, batch_size=1024, epochs=1, shuffle=False, verbose=0)
+    stock_history = stock.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], stock_history.history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), stock.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

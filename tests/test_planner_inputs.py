@@ -28,7 +28,7 @@ def _mlp():
 
 
 def test_planning_leaves_the_callers_loss_scale_alone(rng):
-    x, y = rng.normal(size=(256, 16)).astype("float32"), rng.integers(0, 2, 256)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.integers(0, 2, 32)
     x[0, 0] = np.inf  # every candidate step overflows: each would back the scale off
     scale = effgrad.DynamicLossScale(initial_scale=2.0**10)
     effgrad.plan(
@@ -38,7 +38,7 @@ def test_planning_leaves_the_callers_loss_scale_alone(rng):
 
 
 def test_noise_scale_with_planned_micro_batches_plans_from_two(rng):
-    x, y = rng.normal(size=(256, 16)).astype("float32"), rng.integers(0, 2, 256)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.integers(0, 2, 32)
     model = _mlp()
     step = effgrad.build_train_step(
         model, "sparse_categorical_crossentropy", keras.optimizers.SGD(), micro_batches="auto",
