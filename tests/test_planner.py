@@ -49,7 +49,7 @@ def _measured_peak(model, x, y, micro_batches, segments, optimizer=None):
 
 # Batch sizes where activations, not the fixed part (weights, Adam state, the CPU backend's
 # convolution workspace: ~60 MiB here), set the plain peak: there is room to plan in between.
-@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 1024), (_conv, (16, 16, 3), 512)])
+@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 2048), (_conv, (16, 16, 3), 512)])
 def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng, make, shape, n):
     model = make()
     x, y = _data(rng, shape, n)

@@ -328,10 +328,13 @@ class _CompactState:
         parts = self._parts(gradient, variable)
         if not parts:
             return self._update_part(gradient, variable, learning_rate)
+        slots = self._slots_of[self._var_key(variable)]
         for first, end in parts:
-            for slot in self._slots_of[self._var_key(variable)]:
+            for slot in slots:
                 slot._window = (first, end)
             self._update_part(gradient[first:end], _Rows(variable, first, end), learning_rate)
+        for slot in slots:  # also those this optimizer's update did not touch
+            slot.forget()
 
     def _parts(self, gradient, variable) -> list[tuple[int, int]]:
         """Row ranges to update one after another, or ``[]``: the variable at once."""
