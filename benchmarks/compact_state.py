@@ -7,10 +7,12 @@ Three tables from one run:
   bfloat16; how often the second moment ``v`` becomes 0 (where
   ``m / (sqrt(v) + eps)`` explodes) and the error of the update ``m / (sqrt(v) + eps)``
   itself. The scheme ``effgrad.compact_state`` uses is the one this table chose.
-* **memory**: one Adam step on 8 Dense 2048x2048 (128 MiB of weights, batch 64),
-  fresh process per row: Keras ``train_on_batch`` with float32 Adam (the
-  baseline), effgrad's step with float32 / int8 / bfloat16 state, gathered and
-  ``fused_update=True``; state MiB counted from the optimizer's variables.
+* **memory**: one Adam step on 8 Dense 2048x2048 (128 MiB of weights, batch 64)
+  and on a keras_hub GPT2Backbone 12x768 with GPT-2's vocabulary (124M
+  parameters, T=128, batch 2), fresh process per row: Keras ``train_on_batch``
+  with float32 Adam (the baseline), effgrad's step with float32 / int8 /
+  bfloat16 state, gathered and ``fused_update=True`` (the LM: Keras's step and
+  effgrad's default); state MiB counted from the optimizer's variables.
 * **convergence**: the demo's digits CNN (10 epochs, batch 64) and a keras_hub
   GPT-2 LM (2 layers, hidden 64, vocabulary 512, T=32) on a Markov chain with
   4 successors per token (entropy floor 1.28 nats), 3 seeds per state dtype;
@@ -119,13 +121,20 @@ def _memory_child(config: dict) -> dict:
     import effgrad
 
     keras.utils.set_random_seed(0)
-    width, batch = config["width"], config["batch"]
-    model = keras.Sequential(
-        [keras.Input((width,))] + [keras.layers.Dense(width, activation="relu") for _ in range(config["depth"])]
-    )
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
-    y = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
+    rng, batch = np.random.default_rng(0), config["batch"]
+    if config["model"] == "gpt2":  # the fine-tuning LM of benchmarks/step_floor.py
+        from benchmarks.step_floor import _gpt2
+
+        model, seq = _gpt2(config), config["seq"]
+        x = [tf.constant(rng.integers(0, config["vocab"], (batch, seq)), tf.int32), tf.ones((batch, seq), tf.int32)]
+        y = tf.constant(rng.normal(size=(batch, seq, config["hidden"])).astype("float32"))
+    else:
+        width = config["width"]
+        model = keras.Sequential(
+            [keras.Input((width,))] + [keras.layers.Dense(width, activation="relu") for _ in range(config["depth"])]
+        )
+        x = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
+        y = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
     opt = keras.optimizers.Adam(1e-4)
     if config["state"] != "float32":
         opt = effgrad.compact_state(opt, dtype=config["state"])
@@ -149,7 +158,12 @@ def _memory_child(config: dict) -> dict:
 
 
 def _memory(quick):
-    base = {"depth": 8, "width": 512 if quick else 2048, "batch": 16 if quick else 64, "repeats": 2 if quick else 5}
+    dense = {"model": "dense", "depth": 8, "width": 2048, "batch": 64, "repeats": 5}
+    gpt2 = {"model": "gpt2", "vocab": 50257, "layers": 12, "heads": 12, "hidden": 768, "seq": 128, "batch": 2}
+    shapes = [
+        ("8 Dense 2048x2048, batch 64", dense, 2),
+        ("GPT2Backbone 12x768 (V=50,257), T=128, batch 2", {**gpt2, "repeats": 2}, 1),
+    ]
     plan = [
         ("keras", "float32"),
         ("keras", "int8"),
@@ -160,15 +174,21 @@ def _memory(quick):
         ("effgrad fused", "bfloat16"),
     ]
     if quick:  # the code paths, not measurements
+        shapes = [("8 Dense 512x512, batch 16", {**dense, "width": 512, "batch": 16, "repeats": 2}, 1)]
         plan = [("keras", "float32"), ("effgrad gathered", "int8"), ("effgrad fused", "bfloat16")]
-    configs = [{**base, "method": method, "state": state} for method, state in plan]
-    results = common.run_rounds(MODULE, configs, rounds=1 if quick else 2)
-    rows = [{"method": m, "state": s, **r} for (m, s), r in zip(plan, results)]
-    keras_adam = rows[0]
-    for row in rows:
-        row["vs_keras"] = row["peak_mib"] / keras_adam["peak_mib"]
-        row["time_vs_keras"] = row["seconds"] / keras_adam["seconds"]
-        row["state_vs_float32"] = row["state_mib"] / keras_adam["state_mib"]
+    rows = []
+    for name, base, rounds in shapes:
+        # The LM: Keras's step and effgrad's default (gathered), float32 and int8 state.
+        methods = plan if base["model"] == "dense" else plan[:4]
+        configs = [{**base, "method": method, "state": state} for method, state in methods]
+        results = common.run_rounds(MODULE, configs, rounds=rounds)
+        group = [{"model": name, "method": m, "state": s, **r} for (m, s), r in zip(methods, results)]
+        keras_adam = group[0]
+        for row in group:
+            row["vs_keras"] = row["peak_mib"] / keras_adam["peak_mib"]
+            row["time_vs_keras"] = row["seconds"] / keras_adam["seconds"]
+            row["state_vs_float32"] = row["state_mib"] / keras_adam["state_mib"]
+        rows.extend(group)
     return rows
 
 
@@ -287,10 +307,11 @@ def run(quick: bool = False) -> dict:
     memory = _memory(quick)
     convergence, curves = _convergence(quick)
     title = (
-        "Compact optimizer state, one Adam step on 8 Dense layers (weights-dominated), fresh process per row; "
+        "Compact optimizer state, one Adam step on weight-dominated models (fine-tuning), fresh process per row; "
         "'vs Keras' = against Keras train_on_batch with float32 Adam"
     )
     columns = [
+        ("model", "model", ""),
         ("method", "method", ""),
         ("state", "state", ""),
         ("weights_mib", "weights MiB", ".0f"),
