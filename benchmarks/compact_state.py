@@ -236,7 +236,7 @@ def _lm_run(state, seed, steps):
 
     import effgrad
 
-    vocab, seq = 512, 32
+    vocab, seq, batch = 512, 32, 32
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=vocab,
@@ -253,9 +253,9 @@ def _lm_run(state, seed, steps):
         opt = effgrad.compact_state(opt, dtype=state)
     step = effgrad.build_train_step(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), opt)
     rng, losses = np.random.default_rng(seed), []
-    mask = np.ones((32, seq), "int32")
+    mask = np.ones((batch, seq), "int32")
     for _ in range(steps):
-        tokens = _markov_tokens(rng, 32, seq, vocab)
+        tokens = _markov_tokens(rng, batch, seq, vocab)
         x = {"token_ids": tokens[:, :-1], "padding_mask": mask}
         losses.append(float(step(x, tokens[:, 1:])["loss"]))
     return losses

@@ -267,6 +267,10 @@ class _Rows:
         getattr(self.parent, method)(tf.IndexedSlices(value, self._indices))
 
 
+# Keras's assign* on rows of a weight, as in-place row writes.
+_SCATTER = {"assign": "scatter_update", "assign_add": "scatter_add", "assign_sub": "scatter_sub"}
+
+
 def _dense(value):
     return tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value
 
@@ -378,27 +382,23 @@ class _CompactState:
         return super()._get_variable_index(variable.parent if isinstance(variable, _Rows) else variable)
 
     def assign(self, variable, value):
-        if isinstance(variable, _Rows):
-            return variable.write("scatter_update", value)
-        if isinstance(variable, CompactSlot):
-            if isinstance(value, tf.IndexedSlices):
-                value = tf.tensor_scatter_nd_update(variable.value(), value.indices[:, None], value.values)
-            return variable.assign(value)
-        return super().assign(variable, value)
+        return self._write("assign", variable, value)
 
     def assign_add(self, variable, value):
-        if isinstance(variable, _Rows):
-            return variable.write("scatter_add", value)
-        if isinstance(variable, CompactSlot):
-            return variable.assign_add(value)
-        return super().assign_add(variable, value)
+        return self._write("assign_add", variable, value)
 
     def assign_sub(self, variable, value):
+        return self._write("assign_sub", variable, value)
+
+    def _write(self, method: str, variable, value):
+        """Keras's ``assign*``, routed to the part of a weight or the compact slot it names."""
         if isinstance(variable, _Rows):
-            return variable.write("scatter_sub", value)
+            return variable.write(_SCATTER[method], value)
         if isinstance(variable, CompactSlot):
-            return variable.assign_sub(value)
-        return super().assign_sub(variable, value)
+            if method == "assign" and isinstance(value, tf.IndexedSlices):
+                value = tf.tensor_scatter_nd_update(variable.value(), value.indices[:, None], value.values)
+            return getattr(variable, method)(value)
+        return getattr(super(), method)(variable, value)
 
     def get_config(self):
         return {
