@@ -107,6 +107,30 @@ def test_resume_after_an_exception_skips_committed_rows(tmp_path, x, monkeypatch
     assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["complete"]
 
 
+def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(tmp_path, x, monkeypatch):
+    """Ctrl-C can land inside queue.put after the batch is enqueued: the writer still writes it, and the
+    final commit must claim the writer's rows, not the rows the main thread believed it had submitted."""
+    from effgrad.explain import engine
+
+    model = _model()
+    expected = effgrad.saliency(model, x, batch_size=8, progress=False)
+    path = tmp_path / "maps.npy"
+    submit = engine._Writer.submit
+
+    def interrupted_after_enqueue(self, row, *args):
+        submit(self, row, *args)
+        if row == 16:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine._Writer, "submit", interrupted_after_enqueue)
+    with pytest.raises(KeyboardInterrupt):
+        effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
+    assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["committed"] == 24
+    monkeypatch.undo()
+    effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_array_equal(np.load(path), expected)
+
+
 def test_resume_refuses_a_different_configuration(tmp_path, x):
     model = _model()
     path = tmp_path / "maps.npy"

@@ -120,6 +120,9 @@ class _Writer:
     def __init__(self, sink: Sink, bar, background: bool):
         self.sink, self.bar = sink, bar
         self.failure: BaseException | None = None
+        # (rows, input checksum) the sink holds: what a commit after an interruption may claim. Not
+        # what was submitted: a Ctrl-C inside queue.put can land after the batch was enqueued.
+        self.written = (sink.committed, sink.input_crc)
         self.last_commit = time.perf_counter()
         self.queue: queue.Queue | None = queue.Queue(maxsize=_AHEAD) if background else None
         if background:
@@ -135,6 +138,7 @@ class _Writer:
     def _write(self, start, maps, targets, crc) -> None:
         self.sink.write(start, maps, targets)
         done = start + int(maps[0].shape[0])
+        self.written = (done, crc)
         self.bar.update(done)
         if time.perf_counter() - self.last_commit > _COMMIT_EVERY_SECONDS:
             self.sink.commit(done, crc)
@@ -178,7 +182,7 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
     stop = threading.Event()
     batches = _staged(plan.source, start_row, sink.input_crc, total)
     writer = _Writer(sink, bar, background=overlap)
-    written, end = (start_row, sink.input_crc), None
+    end = None
     try:
         for item in _ahead(batches, stop) if overlap else batches:
             if isinstance(item, _End):
@@ -190,12 +194,11 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
             rows = indices[row : row + n] if indices is not None else np.zeros(n, "int32")
             maps, targets = job.maps(x, tf.constant(rows, tf.int32), tf.constant(row, tf.int64))
             writer.submit(row, maps, targets, crc)
-            written = (row + n, crc)
     finally:
         stop.set()
         writer.close()  # raises the writer's error first: nothing below then runs
-        if end is None and written[0] > start_row:
-            sink.commit(*written)  # an exception above: keep what was written
+        if end is None and writer.written[0] > start_row:
+            sink.commit(*writer.written)  # an exception above: keep what was written
     if end is not None:
         if total is not None and end.rows != total:
             raise ValueError(f"The inputs held {end.rows} examples but num_examples={total}.")
