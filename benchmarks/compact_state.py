@@ -67,7 +67,7 @@ def _encode(x, scheme):
     if scheme.startswith("int8 fourth root"):
         import tensorflow as tf
 
-        from effgrad.compact import dequantize, quantize
+        from effgrad.train.compact import dequantize, quantize
 
         return dequantize(*quantize(tf.constant(x), BLOCK), x.shape).numpy()
     blocks = x.reshape(-1, BLOCK)

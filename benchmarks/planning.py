@@ -50,7 +50,7 @@ def child(config: dict) -> dict:
     import keras
 
     import effgrad
-    from effgrad import planner
+    from effgrad.train import planner
 
     model, x, y = _models(config["model"])
     if config["quick"]:  # it runs end to end; the numbers come from the full run

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from effgrad import compact
-from effgrad.compact import SUPPORTED, CompactSlot, dequantize, quantize
+from effgrad.train import compact
+from effgrad.train.compact import SUPPORTED, CompactSlot, dequantize, quantize
 from helpers import in_fresh_processes
 
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
-from effgrad import compact
+from effgrad.train import compact
 
 EXAMPLES = [
     effgrad.build_train_step,

@@ -174,7 +174,7 @@ def test_auto_says_why_it_does_not_apply_and_true_refuses(rng, caplog):
 def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projection_inputs(
     rng, monkeypatch, rows, fused
 ):
-    monkeypatch.setattr(effgrad.fused_loss, "CHUNK_ELEMENTS", 1000)  # these logits fill several chunks
+    monkeypatch.setattr(effgrad.train.fused_loss, "CHUNK_ELEMENTS", 1000)  # these logits fill several chunks
     net = _classifier()  # the head projects 16 features: fused from 65 rows
     x, y = rng.normal(size=(rows, 12)).astype("float32"), rng.integers(0, 300, rows)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

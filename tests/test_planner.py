@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
-from effgrad import planner
+from effgrad.train import planner
 
 
 def _wide_mlp(seed=0):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import effgrad
-from effgrad.planner import device_memory_bytes, parse_budget
+from effgrad.train.planner import device_memory_bytes, parse_budget
 
 
 def test_budgets_as_sizes_bytes_and_fractions_strings_included():

@@ -131,6 +131,30 @@ def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(tmp
     np.testing.assert_array_equal(np.load(path), expected)
 
 
+def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch):
+    """A KeyboardInterrupt raised inside a __del__ (TensorFlow runs many) is only printed by Python: the run
+    must still stop, at the next batch boundary, with its rows committed."""
+    from effgrad.explain import engine
+
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while this __del__ runs
+
+    submit = engine._Writer.submit
+
+    def submit_then_finalize(self, row, *args):
+        submit(self, row, *args)
+        if row == 16:
+            Finalizer()  # dropped at once, in the main thread
+
+    monkeypatch.setattr(engine._Writer, "submit", submit_then_finalize)
+    path = tmp_path / "maps.npy"
+    with pytest.raises(KeyboardInterrupt):
+        effgrad.saliency(_model(), x, batch_size=8, out=path, progress=False)
+    assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["committed"] == 24
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+
+
 def test_resume_refuses_a_different_configuration(tmp_path, x):
     model = _model()
     path = tmp_path / "maps.npy"

@@ -31,21 +31,21 @@ _allocator_statistics_on()
 if not _quiet.answering_help():
     with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
         from effgrad import diagnostics, memory
-        from effgrad.checkpointing import (
+        from effgrad.diagnostics import MemoryMonitor
+        from effgrad.explain import saliency, saliency_summary
+        from effgrad.remat.checkpointing import (
             Checkpoint,
             CheckpointedModel,
             checkpoint,
             checkpoint_model,
             checkpoint_sequential,
         )
-        from effgrad.compact import compact_state
-        from effgrad.diagnostics import MemoryMonitor
-        from effgrad.explain import saliency, saliency_summary
-        from effgrad.fit import attach
-        from effgrad.fused_loss import fused_sparse_cross_entropy
-        from effgrad.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
-        from effgrad.planner import MemoryPlan, plan
-        from effgrad.step import StepOptions, TrainStep, build_train_step
+        from effgrad.train.compact import compact_state
+        from effgrad.train.fit import attach
+        from effgrad.train.fused_loss import fused_sparse_cross_entropy
+        from effgrad.train.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+        from effgrad.train.planner import MemoryPlan, plan
+        from effgrad.train.step import StepOptions, TrainStep, build_train_step
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ first epoch (new input shapes or Python values in ``tf.function`` arguments:
 every trace keeps a graph alive).
 
 The gradient noise scale (``build_train_step(..., noise_scale=True)``) lives
-in :mod:`effgrad.step`; :func:`plot_history` draws either.
+in :mod:`effgrad.train.step`; :func:`plot_history` draws either.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ So reading and checksumming the next batch and copying the last one to the
 host overlap the device's work on the current one, and the device never holds
 more than a few batches, whatever the number of examples.
 
+Ctrl-C stops the run at the next batch boundary (a second Ctrl-C at once):
+a ``KeyboardInterrupt`` raised at an arbitrary point can be lost (raised
+inside an object's ``__del__``, of which TensorFlow runs many, Python only
+prints it), and the run would go on.
+
 A running CRC-32 of the input rows is stored with every commit. A resumed run
 re-reads (does not recompute) the committed rows and refuses, before writing
 anything, inputs that are not the same rows in the same order (another file,
@@ -20,7 +25,9 @@ a shuffling ``tf.data`` pipeline).
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
 import sys
 import threading
 import time
@@ -161,6 +168,35 @@ class _Writer:
             raise self.failure
 
 
+@contextlib.contextmanager
+def _interrupts_between_batches():
+    """Yields ``check()``, which raises ``KeyboardInterrupt`` if Ctrl-C was pressed since the last check.
+
+    Only where Python's own handler is in place, in the main thread; a second Ctrl-C interrupts at once.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: None
+        return
+    pressed = threading.Event()
+
+    def handler(signum, frame):
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+
+    def check():
+        if pressed.is_set():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool = True) -> None:
     """Streams every batch of ``plan`` through its job into ``sink``.
 
@@ -184,16 +220,18 @@ def stream(plan: SaliencyPlan, sink: Sink, progress: bool = True, overlap: bool 
     writer = _Writer(sink, bar, background=overlap)
     end = None
     try:
-        for item in _ahead(batches, stop) if overlap else batches:
-            if isinstance(item, _End):
-                end = item
-                break
-            if writer.failure is not None:
-                break
-            row, x, n, crc = item
-            rows = indices[row : row + n] if indices is not None else np.zeros(n, "int32")
-            maps, targets = job.maps(x, tf.constant(rows, tf.int32), tf.constant(row, tf.int64))
-            writer.submit(row, maps, targets, crc)
+        with _interrupts_between_batches() as check_interrupt:
+            for item in _ahead(batches, stop) if overlap else batches:
+                if isinstance(item, _End):
+                    end = item
+                    break
+                if writer.failure is not None:
+                    break
+                row, x, n, crc = item
+                rows = indices[row : row + n] if indices is not None else np.zeros(n, "int32")
+                maps, targets = job.maps(x, tf.constant(rows, tf.int32), tf.constant(row, tf.int64))
+                writer.submit(row, maps, targets, crc)
+                check_interrupt()
     finally:
         stop.set()
         writer.close()  # raises the writer's error first: nothing below then runs

@@ -221,7 +221,7 @@ class _Planner:
 
     def checkpointed(self, segments: int) -> keras.Model:
         if segments not in self._checkpointed:
-            from effgrad.checkpointing import checkpoint_model
+            from effgrad.remat.checkpointing import checkpoint_model
 
             self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
@@ -230,7 +230,7 @@ class _Planner:
         key = (micro_batches, segments)
         if key in self.measured:
             return self.measured[key]
-        from effgrad.step import TrainStep
+        from effgrad.train.step import TrainStep
 
         model = self.model if segments is None else self.checkpointed(segments)
         candidate = Candidate(micro_batches, segments)
@@ -318,7 +318,7 @@ class _Planner:
 
 def _segment_choices(model) -> list[int]:
     """Segments worth trying: 2 and sqrt(cuts + 1), if the model can be cut at all."""
-    from effgrad import graph
+    from effgrad.remat import graph
 
     try:
         cuts = len(graph.layer_graph(model).cuts)
@@ -451,7 +451,7 @@ class PlannedTrainStep:
     """
 
     def __init__(self, model, loss, optimizer, *, micro_batches="auto", memory_budget=None, margin=0.1, **options):
-        from effgrad.step import StepOptions
+        from effgrad.train.step import StepOptions
 
         if micro_batches != "auto":
             raise ValueError(f"memory_budget goes with micro_batches='auto' (got micro_batches={micro_batches!r}).")
@@ -472,8 +472,8 @@ class PlannedTrainStep:
 
     def build(self, x, y, sample_weight=None):
         """Plans for this batch and builds the step it chose."""
-        from effgrad.checkpointing import checkpoint_model
-        from effgrad.step import TrainStep
+        from effgrad.remat.checkpointing import checkpoint_model
+        from effgrad.train.step import TrainStep
 
         options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
         self.plan = plan(

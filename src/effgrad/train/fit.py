@@ -23,9 +23,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from effgrad import _compat, accumulate, losses
-from effgrad import loss_scale as loss_scale_lib
-from effgrad.step import StepOptions, TrainStep, batch_shape
+from effgrad import _compat
+from effgrad.train import accumulate
+from effgrad.train import loss_scale as loss_scale_lib
+from effgrad.train import objective as objective_lib
+from effgrad.train.step import StepOptions, TrainStep, batch_shape
 
 __all__ = ["attach"]
 
@@ -86,7 +88,7 @@ def _attach(model, given: dict, forward) -> keras.Model:
     """``attach`` with checked options; ``forward`` computes the predictions (``model``, or a
     ``checkpoint_model`` of it sharing its variables)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
-    objective = losses.Objective.of_compiled(model, given.get("reduction"))
+    objective = objective_lib.Objective.of_compiled(model, given.get("reduction"))
     options = {
         "strategy": model.distribute_strategy,
         "jit_compile": bool(model.jit_compile),
@@ -198,8 +200,8 @@ def _first_batch(x, y, sample_weight, batch_size):
 
 def _attach_planned(model, step_options: dict) -> keras.Model:
     """``attach(micro_batches="auto", memory_budget=...)``: plan at the next ``fit`` from its first batch."""
-    from effgrad import planner
-    from effgrad.checkpointing import checkpoint_model
+    from effgrad.remat.checkpointing import checkpoint_model
+    from effgrad.train import planner
 
     options = {k: v for k, v in step_options.items() if k not in ("micro_batches", "memory_budget", "margin")}
     planner.PlannedTrainStep(model, model.loss, model.optimizer, **step_options)  # validates the options now
@@ -217,7 +219,7 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
             budget=step_options["memory_budget"],
             margin=step_options.get("margin", 0.1),
             strategy=model.distribute_strategy,
-            reduction=options.get("reduction", losses.reduction_of(model.loss)),
+            reduction=options.get("reduction", objective_lib.reduction_of(model.loss)),
             **{k: v for k, v in options.items() if k not in ("reduction", "strategy", "on_micro_batch")},
         )
         forward = model if plan.segments is None else checkpoint_model(model, plan.segments)

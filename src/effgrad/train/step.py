@@ -38,8 +38,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from effgrad import _checks, _compat, accumulate, diagnostics, distribute, graph, losses, state
-from effgrad import loss_scale as loss_scale_lib
+from effgrad import _checks, _compat, diagnostics, distribute, state
+from effgrad.remat import graph
+from effgrad.train import accumulate
+from effgrad.train import loss_scale as loss_scale_lib
+from effgrad.train import objective as objective_lib
 
 __all__ = ["StepOptions", "TrainStep", "build_train_step"]
 
@@ -87,7 +90,7 @@ class StepOptions:
             ):
                 raise ValueError(f"clip_norm must be a number > 0 or None, got {self.clip_norm!r}.")
             object.__setattr__(self, "clip_norm", float(self.clip_norm))
-        object.__setattr__(self, "reduction", losses.check_reduction(self.reduction))
+        object.__setattr__(self, "reduction", objective_lib.check_reduction(self.reduction))
         if self.noise_scale and self.reduction == "sum":
             raise ValueError(
                 'noise_scale=True estimates the noise of a MEAN loss gradient; use reduction="sum_over_batch_size" '
@@ -176,11 +179,11 @@ class TrainStep:
         self.micro_batches = self.options.micro_batches
         self.reduction = self.options.reduction
         self.strategy = self.options.strategy or tf.distribute.get_strategy()
-        if isinstance(loss, losses.Objective):
+        if isinstance(loss, objective_lib.Objective):
             self._objective = loss
             self.reduction = loss.reduction
         else:
-            self._objective = losses.Objective.of_loss(loss, self.reduction)
+            self._objective = objective_lib.Objective.of_loss(loss, self.reduction)
         self._forward = model  # the model, or its trunk when the loss is fused with its last layer
         self.fused_loss: bool | None = None  # decided at the first trace (see _fuse_loss)
         self.fused_loss_reason = ""
@@ -260,7 +263,7 @@ class TrainStep:
         elif self.options.on_micro_batch is not None:
             why_not = "metrics read the logits of every micro-batch (compile without metrics to fuse)"
         else:
-            from effgrad import fused_loss
+            from effgrad.train import fused_loss
 
             head = fused_loss.find_head(self.model)
             if isinstance(head, str):
@@ -285,7 +288,7 @@ class TrainStep:
             if option is True:
                 raise ValueError(f"fused_loss=True cannot apply: {why_not}.")
         else:
-            self._objective = losses.Objective.of_head(head, loss, self.reduction)
+            self._objective = objective_lib.Objective.of_head(head, loss, self.reduction)
             self._forward = head.trunk
             vocabulary = head.kernel().shape[0 if head.transposed else 1]
             self.fused_loss_reason = (
@@ -486,7 +489,7 @@ class TrainStep:
         clip = self._clip_factor(summed, update["reg"], per_loss)
         if clip is not None:
             update["clip"] = clip
-        loss = losses.normalize(total, normalizer, self.reduction) + reg_loss
+        loss = objective_lib.normalize(total, normalizer, self.reduction) + reg_loss
         has_weight = tf.constant(True)
         if self.reduction == "mean_with_sample_weight" and self.options.skip_zero_weight_batches:
             has_weight = normalizer > 0
@@ -626,7 +629,7 @@ class TrainStep:
         with tf.control_dependencies([applied]):
             updated = tf.cond(has_weight, lambda: self._update_loss_scale(finite), lambda: tf.constant(False))
         with tf.control_dependencies([updated]):
-            loss = tf.identity(losses.normalize(total, normalizer, self.reduction) + reg_loss)
+            loss = tf.identity(objective_lib.normalize(total, normalizer, self.reduction) + reg_loss)
             return {"loss": loss, "loss_scale": tf.identity(self.loss_scale.value), "grads_finite": finite}
 
     def _update_noise_scale(self, noise, summed, per_loss, normalizer, applied) -> dict:
@@ -743,7 +746,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               ``"auto"`` with ``memory_budget=`` (bytes, ``"6GiB"`` or a
               fraction of the device): plan at the first call
               (:func:`effgrad.plan`) and train with the fastest configuration
-              whose measured peak fits (a :class:`effgrad.planner.PlannedTrainStep`).
+              whose measured peak fits (a :class:`effgrad.train.planner.PlannedTrainStep`).
             * ``loss_scale``: ``"auto"`` (dynamic iff the model computes in
               float16), ``None``, ``"dynamic"``, a number (static) or a ``LossScale``.
             * ``clip_norm``: clip the global norm of the final (unscaled,
@@ -791,7 +794,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
         compiled loss's reduction, so ``fit`` trains what stock Keras trains.
     """
     if options.get("micro_batches") == "auto" or "memory_budget" in options:
-        from effgrad.planner import PlannedTrainStep
+        from effgrad.train.planner import PlannedTrainStep
 
         return PlannedTrainStep(model, loss, optimizer, **options)
     return TrainStep(model, loss, optimizer, **options)

@@ -260,7 +260,7 @@ class Objective:
 
         The step then calls the model's trunk and passes its hidden states
         where ``y_pred`` would be: the logits are never made
-        (:mod:`effgrad.fused_loss`).
+        (:mod:`effgrad.train.fused_loss`).
         """
         reduction = check_reduction(reduction)
 
