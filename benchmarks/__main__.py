@@ -26,6 +26,7 @@ SUITES = [
     "token_attribution",
     "token_methods",
     "planning",
+    "privacy",
 ]
 
 

@@ -63,6 +63,33 @@ def plain_step(model, per_example_loss, optimizer, x, y, sample_weight=None, cli
     return float(loss)
 
 
+def per_example_losses(loss, y, y_pred, sample_weight=None):
+    """``[batch]``: each example's unreduced loss, weighted, summed over its elements (DP-SGD's ``l_i``)."""
+    fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+    values = tf.cast(fn.call(y, y_pred) if isinstance(fn, keras.losses.Loss) else fn(y, y_pred), tf.float32)
+    mask = getattr(y_pred, "_keras_mask", None)
+    if mask is not None:
+        values = values * tf.cast(tf.reshape(mask, tf.shape(values)), tf.float32)
+    if sample_weight is not None:
+        w = tf.cast(sample_weight, tf.float32)
+        values = values * tf.reshape(w, [-1] + [1] * (values.shape.rank - 1))
+    return tf.reduce_sum(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
+
+
+def naive_per_example_gradients(model, loss, x, y, sample_weight=None, training=False):
+    """``[example][variable]`` NumPy gradients: one forward pass, then one backward pass per example."""
+    with tf.GradientTape(persistent=True) as tape:
+        y_pred = model(x, training=training)
+        losses = per_example_losses(loss, y, y_pred, sample_weight)
+        singles = [losses[i] for i in range(int(losses.shape[0]))]
+    grads = []
+    for single in singles:
+        g = tape.gradient(single, model.trainable_variables)
+        grads.append([np.zeros(v.shape, "float32") if t is None else tf.convert_to_tensor(t).numpy()
+                      for v, t in zip(model.trainable_variables, g)])  # fmt: skip
+    return grads
+
+
 def numpy_vars(variables):
     return [np.array(v.numpy()) for v in variables]
 

@@ -29,7 +29,10 @@ GROUPS = {
         ["checkpointing", "checkpoint_model", "segments", "distributed", "planning"],
         ["checkpointing_tradeoff.png", "checkpointing_segments.png"],
     ),
-    "saliency": (["saliency", "saliency_methods", "token_attribution", "token_methods"], ["saliency_scaling.png"]),
+    "saliency": (
+        ["saliency", "saliency_methods", "token_attribution", "token_methods", "privacy"],
+        ["saliency_scaling.png"],
+    ),
 }
 
 

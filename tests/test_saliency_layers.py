@@ -127,7 +127,7 @@ def test_layer_maps_shard_across_replicas(strategy, rng):
 
 
 def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
-    from effgrad.explain import wrt
+    from effgrad import _compat
 
     model = _bert()
     x = _tokens(rng)
@@ -137,7 +137,7 @@ def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
     def other_job():  # another target: a job of its own, traced (not taken from the job cache)
         found["maps"] = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
 
-    with wrt._PATCHING:  # as while another thread's job is being traced with the layer patched
+    with _compat._INTERCEPTING:  # as while another thread's job is being traced with the layer patched
         worker = threading.Thread(target=other_job)
         worker.start()
         worker.join(timeout=8)  # alone, the job takes ~2 s

@@ -30,7 +30,7 @@ _allocator_statistics_on()
 # needs none of it: it answers at once instead of loading TensorFlow (7-9 s).
 if not _quiet.answering_help():
     with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
-        from effgrad import diagnostics, memory
+        from effgrad import diagnostics, memory, privacy
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.remat.checkpointing import (
@@ -40,12 +40,15 @@ if not _quiet.answering_help():
             checkpoint_model,
             checkpoint_sequential,
         )
+        from effgrad.train.builder import build_train_step
         from effgrad.train.compact import compact_state
         from effgrad.train.fit import attach
         from effgrad.train.fused_loss import fused_sparse_cross_entropy
         from effgrad.train.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+        from effgrad.train.options import StepOptions
+        from effgrad.train.per_example import per_example_norms
         from effgrad.train.planner import MemoryPlan, plan
-        from effgrad.train.step import StepOptions, TrainStep, build_train_step
+        from effgrad.train.step import TrainStep
 
 __version__ = "0.1.0"
 
@@ -69,7 +72,9 @@ __all__ = [
     "diagnostics",
     "fused_sparse_cross_entropy",
     "memory",
+    "per_example_norms",
     "plan",
+    "privacy",
     "saliency",
     "saliency_summary",
 ]

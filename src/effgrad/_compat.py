@@ -12,6 +12,7 @@ Tested with TensorFlow 2.21 and Keras 3.15 (pinned in pyproject.toml).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
@@ -25,7 +26,11 @@ __all__ = [
     "get_keras_mask",
     "get_stateless_scope",
     "gradients_already_reduced",
+    "flatten_layers",
     "in_xla_context",
+    "intercepted_call",
+    "own_variables",
+    "plain_convolution",
     "optimization_barrier",
     "recording_compiled_loss",
     "set_compiled_optimizer",
@@ -66,6 +71,14 @@ try:
     from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
+
+try:
+    # The convolution layers' shared base: per-example norms read its call as patches.
+    from keras.src.layers.convolutional.base_conv import BaseConv as _BaseConv
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.layers.convolutional.base_conv.BaseConv", _err) from _err
+if not hasattr(keras.layers.Layer, "_flatten_layers"):  # pragma: no cover
+    raise _missing("keras Layer._flatten_layers", AttributeError("not found"))
 
 try:
     # compile()'s loss: its per-output terms (path, loss, loss_weights, name).
@@ -230,3 +243,58 @@ def functional_graph(model):
         return model._nodes_by_depth, model._inputs_struct, model._outputs_struct
     except AttributeError as err:  # pragma: no cover
         raise _missing("keras Functional._inputs_struct/_outputs_struct", err) from err
+
+
+def flatten_layers(model) -> list:
+    """``model`` and every layer nested in it, each once (Keras's own walk over sublayers)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def own_variables(layer) -> list:
+    """The variables ``layer`` created itself (``add_weight``), not those of its sublayers."""
+    seen, own = set(), []
+    for v in [*layer._trainable_variables, *layer._non_trainable_variables]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            own.append(v)
+    return own
+
+
+def plain_convolution(layer) -> bool:
+    """``layer`` is a Keras convolution whose ``call`` and ``convolution_op`` are the base class's."""
+    return (
+        isinstance(layer, _BaseConv)
+        and type(layer).call is _BaseConv.call
+        and type(layer).convolution_op is _BaseConv.convolution_op
+    )
+
+
+# Two traces in two threads on the same model must not see each other's hooks.
+_INTERCEPTING = threading.RLock()
+
+
+@contextlib.contextmanager
+def intercepted_call(layer, replacement):
+    """``layer.call`` is ``replacement(original_call, *args, **kwargs)`` inside the block.
+
+    effgrad's one mechanism for hooks on a model: saliency's ``layer=`` reads
+    a layer's output with it, per-example norms tap every weighted layer.
+    Keras's ``Layer.__call__`` looks ``self.call`` up on every call and keeps
+    its own work around it (casting, autocast, masks), so an instance
+    attribute seen only while a function is TRACED is enough: the traced graph
+    keeps what the hook added, and the model object is left as it was.
+    ``object.__setattr__`` keeps Keras's attribute tracking out of it; hooks
+    nest (the inner one sees the outer one's call as the original), and
+    traces in two threads take turns (a lock).
+    """
+    with _INTERCEPTING:
+        own = layer.__dict__.get("call")
+        original = layer.call
+        object.__setattr__(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs))
+        try:
+            yield
+        finally:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)

@@ -27,12 +27,11 @@ Trap:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import threading
 
 import tensorflow as tf
 
+from effgrad import _compat
 from effgrad.explain.inputs import Source, leaf_names
 
 __all__ = ["InputLeaves", "LayerOutput", "find_layer"]
@@ -91,33 +90,8 @@ class InputLeaves:
         return tf.nest.pack_sequence_as(self.spec, flat)
 
 
-# Two saliency jobs traced at once in two threads on the same model must not see each other's patch.
-_PATCHING = threading.RLock()
-
-
 class _Reached(Exception):
     """Raised by the intercepted layer to end a forward pass once its output is read."""
-
-
-@contextlib.contextmanager
-def _intercepted(layer, replacement):
-    """``layer.call`` is ``replacement(original_call, *args, **kwargs)`` inside the block.
-
-    Keras's ``Layer.__call__`` looks ``self.call`` up on every call and keeps
-    its own work around it (casting, masks), so an instance attribute is
-    enough; ``object.__setattr__`` keeps Keras's attribute tracking out of it.
-    """
-    with _PATCHING:
-        own = layer.__dict__.get("call")
-        original = layer.call
-        object.__setattr__(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs))
-        try:
-            yield
-        finally:
-            if own is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", own)
 
 
 class LayerOutput:
@@ -138,7 +112,7 @@ class LayerOutput:
             calls.append(1)
             return start
 
-        with _intercepted(layer, count):
+        with _compat.intercepted_call(layer, count):
             outputs_fn(sample)
         if len(calls) != 1:
             raise ValueError(
@@ -155,7 +129,7 @@ class LayerOutput:
             seen.append(original(*args, **kwargs))
             raise _Reached  # the rest of the forward pass is not needed
 
-        with _intercepted(self.layer, read):
+        with _compat.intercepted_call(self.layer, read):
             try:
                 self.outputs_fn(x)
             except _Reached:
@@ -176,7 +150,7 @@ class LayerOutput:
     def forward(self, x, points):
         copies = _copies(x, points)
         inputs = tf.nest.map_structure(lambda v: _tile_rows(v, copies), x)
-        with _intercepted(self.layer, lambda original, *args, **kwargs: points[0]):
+        with _compat.intercepted_call(self.layer, lambda original, *args, **kwargs: points[0]):
             return self.outputs_fn(inputs)
 
     def pack(self, maps: list):
@@ -189,7 +163,7 @@ def find_layer(model, layer):
 
     if not isinstance(model, keras.Model):
         raise TypeError(f"layer= needs a Keras model, got {type(model).__name__}.")
-    layers = model._flatten_layers(include_self=False, recursive=True)
+    layers = _compat.flatten_layers(model)[1:]
     if isinstance(layer, keras.layers.Layer):
         if not any(candidate is layer for candidate in layers):
             raise ValueError(f"layer {layer.name!r} is not a layer of this model.")

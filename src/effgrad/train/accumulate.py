@@ -6,9 +6,9 @@ Algorithm (``k`` = ``micro_batches``, ``B`` = rows of this batch)::
     n = ceil(B / m)                    # micro-batches (<= k); the last may be short
     acc = float32 variables, one per trainable variable (never zeroed)
     for i in range(n):                 # one tf.while_loop, one iteration at a time
-        objective, carry = micro_step(batch[i*m : min(i*m + m, B)], carry)
+        grads, carry = differentiate(batch[i*m : min(i*m + m, B)], carry)
         for each variable j, as soon as its gradient arrives:
-            acc[j] = g if i == 0 else acc[j] + g       # g = d objective / d variable_j; in place
+            acc[j] = g if i == 0 else acc[j] + g       # g = grads[j]; in place
 
 The accumulator is ONE gradient-sized buffer updated in place. A
 loop-carried tensor (``acc = acc + g``) would allocate a new buffer per add
@@ -23,8 +23,10 @@ no padding rows exist in either case (metrics and BatchNorm only ever see
 real examples).
 
 ``micro_batches=1`` uses no accumulator and no loop: exactly the plain step.
+Any other ``k`` may be a tensor: one trace serves every number of
+micro-batches (the planner measures them all on one trace).
 
-Trap: normalizing inside ``micro_step`` by the micro-batch's own weight (a
+Trap: normalizing inside ``differentiate`` by the micro-batch's own weight (a
 mean of micro-batch means) is wrong whenever micro-batches carry different
 total weight; carry the unnormalized sums and divide once by the global
 total, as ``effgrad.build_train_step`` does.
@@ -52,7 +54,9 @@ def rows(batch, start, stop=None, size=None):
         def cut(t):
             # tf.slice with a size derived from shapes stays static under XLA,
             # where t[start:start+size] with a dynamic start would be padded.
-            return tf.slice(t, [start] + [0] * (t.shape.rank - 1), [size] + [-1] * (t.shape.rank - 1))
+            part = tf.slice(t, [start] + [0] * (t.shape.rank - 1), [size] + [-1] * (t.shape.rank - 1))
+            part.set_shape([None] + t.shape[1:].as_list())  # tf.slice forgets the other axes' sizes
+            return part
 
         return tf.nest.map_structure(lambda t: None if t is None else cut(t), batch)
     return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], batch)
@@ -89,51 +93,45 @@ def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
 
 
 def accumulate_gradients(
-    micro_step: Callable,
+    differentiate: Callable,
     variables: Sequence[tf.Variable],
     batch,
-    micro_batches: int,
+    micro_batches,
     carry,
     accumulators: Sequence[tf.Variable] | None = None,
     static_shapes: bool = False,
-    on_gradients: Callable | None = None,
 ):
-    """Sums ``micro_step``'s gradients over micro-batches.
+    """Sums ``differentiate``'s gradients over micro-batches, each added as backprop makes it.
 
     Args:
-        micro_step: ``(batch_i, carry) -> (objective, carry)``. ``objective``
-            is differentiated; ``carry`` (a nest of tensors with fixed shapes,
-            e.g. running sums) is threaded from one micro-batch to the next.
-        variables: What to differentiate with respect to.
+        differentiate: ``(batch_i, carry) -> (grads, carry)``: one micro-batch's
+            gradients (one per variable, None where it does not reach the
+            objective) and the carry (a nest of tensors with fixed shapes,
+            e.g. running sums) threaded to the next micro-batch.
+        variables: What ``differentiate`` differentiates with respect to.
         batch: A nest of tensors sharing the leading (batch) dimension.
-        micro_batches: ``k >= 1``.
+        micro_batches: ``k >= 1``: the Python int 1 is the plain step (no loop,
+            no accumulator); otherwise an int or an int32 scalar TENSOR, so one
+            trace serves every ``k`` (not under ``static_shapes``, where the
+            micro-batch size must be known when compiling: an int).
         carry: The initial carry.
-        accumulators: ``make_accumulators(variables)``; required when ``k > 1``.
-            What they hold on entry is overwritten by the first micro-batch.
+        accumulators: ``make_accumulators(variables)``; required unless ``k`` is
+            the int 1. What they hold on entry is overwritten by the first
+            micro-batch.
         static_shapes: Keep every slice's shape static (XLA).
-        on_gradients: Optional ``(grads, carry) -> carry`` called with each
-            micro-batch's gradients as they arrive (e.g. to sum their squared
-            norms), before they are added to the accumulators.
 
     Returns:
         ``(grads, carry)``: ``grads[j]`` is the summed gradient of variable
-        ``j`` (the accumulator's value when ``k > 1``), or None when the
+        ``j`` (the accumulator's value when there is one), or None when the
         objective does not depend on it; ``carry`` after the last micro-batch.
     """
     variables = list(variables)
-
-    def differentiate(batch_i, carry):
-        with tf.GradientTape() as tape:
-            objective, carry = micro_step(batch_i, carry)
-        grads = dense(tape.gradient(objective, variables))
-        if on_gradients is not None:
-            carry = on_gradients(grads, carry)
-        return grads, carry
-
-    if micro_batches == 1:  # no loop, no slicing: exactly the plain step
+    if isinstance(micro_batches, int) and micro_batches == 1:  # no loop, no slicing: exactly the plain step
         return differentiate(batch, carry)
     if accumulators is None or len(accumulators) != len(variables):
         raise ValueError("accumulate_gradients needs one accumulator per variable when micro_batches > 1.")
+    if static_shapes and not isinstance(micro_batches, int):
+        raise TypeError("Under XLA (static_shapes) micro_batches must be a Python int: it sets a static shape.")
 
     connected = []  # which variables get a gradient, seen while tracing
 
@@ -153,7 +151,8 @@ def accumulate_gradients(
         return updates, carry
 
     total = batch_size(batch)
-    per_micro = tf.maximum((total + micro_batches - 1) // micro_batches, 1)
+    k = tf.cast(micro_batches, tf.int32)
+    per_micro = tf.maximum((total + k - 1) // k, 1)
     num_micro = (total + per_micro - 1) // per_micro
     full = num_micro - 1 if static_shapes else num_micro
 

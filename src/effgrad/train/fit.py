@@ -27,7 +27,8 @@ from effgrad import _compat
 from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
-from effgrad.train.step import StepOptions, TrainStep, batch_shape
+from effgrad.train.options import StepOptions
+from effgrad.train.step import TrainStep, batch_shape
 
 __all__ = ["attach"]
 

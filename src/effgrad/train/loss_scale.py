@@ -10,7 +10,9 @@ Every class here has the same four members, so the train step never asks
 "is there a loss scale?":
 
 * ``scale(loss)``: ``loss * S`` in the loss's dtype.
-* ``unscale(grads, multiplier=1)``: ``grads * multiplier / S`` (float32).
+* ``unscale(grads, multiplier=1)``: ``grads * multiplier / S`` (float32);
+  ``unscale_factor(multiplier)`` is that factor alone (``None`` where it is
+  1), for a step that folds it into another pass over the gradients.
 * ``update(grads_finite)``: advance the state after one step.
 * ``value``: the current ``S`` as a float32 tensor (read-only).
 
@@ -63,10 +65,18 @@ class LossScale(tf.Module):
         """Returns ``loss * value`` in ``loss.dtype``."""
         return loss * tf.cast(self.value, loss.dtype)
 
-    def unscale(self, grads, multiplier=1.0):
+    def unscale_factor(self, multiplier=None) -> tf.Tensor | None:
+        """``multiplier / value`` as a float32 scalar: what turns scaled gradient sums into unscaled ones.
+
+        ``None`` when that is 1 (no scale and no multiplier): the caller skips the multiply.
+        """
+        multiplier = tf.ones([], tf.float32) if multiplier is None else tf.cast(multiplier, tf.float32)
+        return multiplier / self.value
+
+    def unscale(self, grads, multiplier=None):
         """Returns float32 ``grads * multiplier / value`` (``None`` kept), in one pass."""
-        factor = tf.cast(multiplier, tf.float32) / self.value
-        return [None if g is None else tf.cast(g, tf.float32) * factor for g in grads]
+        factor = self.unscale_factor(multiplier)
+        return [None if g is None else tf.cast(g, tf.float32) * (1.0 if factor is None else factor) for g in grads]
 
     def update(self, grads_finite) -> tf.Operation | None:
         """Advances the state after a step; ``grads_finite`` is a bool scalar."""
@@ -89,11 +99,8 @@ class NoLossScale(LossScale):
     def scale(self, loss):
         return loss
 
-    def unscale(self, grads, multiplier=1.0):
-        if isinstance(multiplier, (int, float)) and multiplier == 1.0:
-            return [None if g is None else tf.cast(g, tf.float32) for g in grads]
-        multiplier = tf.cast(multiplier, tf.float32)
-        return [None if g is None else tf.cast(g, tf.float32) * multiplier for g in grads]
+    def unscale_factor(self, multiplier=None):
+        return None if multiplier is None else tf.cast(multiplier, tf.float32)
 
     def __repr__(self) -> str:
         return "NoLossScale()"

@@ -104,20 +104,26 @@ def _broadcast(weights: tf.Tensor, losses: tf.Tensor, name: str) -> tf.Tensor:
     return tf.broadcast_to(weights, tf.shape(losses))
 
 
-def weighted_terms(losses, sample_weight, mask, reduction: str):
-    """``(sum(w * l), normalizer)`` of one micro-batch (see the module docstring), float32."""
-    losses = tf.cast(losses, tf.float32)
+def _weights(losses, sample_weight, mask):
+    """``sample_weight * mask`` broadcast to ``losses`` (float32), or None when there is neither."""
     weights = None
     if sample_weight is not None:
         weights = _broadcast(sample_weight, losses, "sample_weight")
     if mask is not None:
         mask = _broadcast(mask, losses, "the Keras mask of y_pred")
         weights = mask if weights is None else weights * mask
+    return weights
+
+
+def weighted_terms(losses, sample_weight, mask, reduction: str):
+    """``(sum(w * l), normalizer)`` of one micro-batch (see the module docstring), float32."""
+    losses = tf.cast(losses, tf.float32)
+    weights = _weights(losses, sample_weight, mask)
     total = tf.reduce_sum(losses if weights is None else weights * losses)
     if reduction == "sum":
         normalizer = tf.zeros([], tf.float32)
     elif reduction == "sum_over_batch_size" and mask is not None:
-        normalizer = tf.reduce_sum(mask)
+        normalizer = tf.reduce_sum(_broadcast(mask, losses, "the Keras mask of y_pred"))
     elif reduction == "mean_with_sample_weight" and weights is not None:
         normalizer = tf.reduce_sum(weights)
     else:
@@ -340,6 +346,23 @@ class Objective:
             with tf.control_dependencies(checks):
                 total = tf.identity(total)
         return total, r
+
+    def per_example(self, y, y_pred, sample_weight) -> tf.Tensor:
+        """``[batch]`` float32: each example's loss summed over its elements, weighted (DP-SGD's ``l_i``).
+
+        Sample weights and Keras masks weight each element as in :meth:`sums`;
+        several terms add with their ``loss_weights``. No normalization: DP-SGD
+        clips each example's gradient of this sum, then divides by the batch size.
+        """
+        per = []
+        for term in self._evaluate(y, to_float32(y_pred), sample_weight):
+            values = tf.cast(term.values, tf.float32)
+            weights = _weights(values, term.sample_weight, term.mask)
+            values = values if weights is None else weights * values
+            if values.shape.rank > 1:
+                values = tf.reduce_sum(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
+            per.append(values * (1.0 if term.weight is None else float(term.weight)))
+        return tf.add_n(per)
 
     @staticmethod
     def _row_quantity(term: Term, rows):

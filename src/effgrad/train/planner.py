@@ -451,7 +451,7 @@ class PlannedTrainStep:
     """
 
     def __init__(self, model, loss, optimizer, *, micro_batches="auto", memory_budget=None, margin=0.1, **options):
-        from effgrad.train.step import StepOptions
+        from effgrad.train.options import StepOptions
 
         if micro_batches != "auto":
             raise ValueError(f"memory_budget goes with micro_batches='auto' (got micro_batches={micro_batches!r}).")

@@ -1,0 +1,173 @@
+"""``fused_update``: with one micro-batch, each variable's update runs as backprop makes its gradient.
+
+Gathering every gradient before the one update costs a gradient-sized buffer
+more than Keras's own step when the gradients outweigh the activations
+freed while they are made (fine-tuning: weights >> activations). Keras's
+graph avoids it by running each variable's update as soon as its gradient
+exists; effgrad must first know global facts (every gradient finite, the
+global norm for clipping), so it runs LOMO's two backward passes (Lv et al.
+2024) over one forward pass::
+
+    forward once, keeping the tape
+    pass 1: backprop; each gradient is reduced at once to a finiteness
+            flag (and a squared norm for clip_norm), then freed
+    if every flag is finite (and the batch has weight):
+        pass 2: backprop again; each variable's final gradient
+                (unscaled, regularized, clipped) goes to the optimizer
+                the moment it exists, so only a few are ever alive
+        commit the forward pass's state (BatchNorm statistics)
+    loss_scale.update(finite)
+
+Same update as the gathered step, and a skipped step still changes nothing;
+the price is one more backward pass. Pass 2 runs inside a ``tf.cond`` on the
+flags, so neither Grappler nor XLA merges it with pass 1 (which would gather
+the gradients again).
+
+Trap:
+    Nothing makes backprop wait for the updates: the saving comes from
+    TensorFlow's executor running each update as soon as its gradient exists.
+    With one inter-op thread it runs the whole backward pass first and holds
+    every gradient (measured: 48.3 MiB, as gathered, against 36.5 MiB with the
+    default threads on 6 Dense 1024x1024); on a loaded machine backprop may
+    run one or two gradients ahead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from effgrad import _compat
+from effgrad.remat import graph
+from effgrad.train import accumulate, flows, update
+from effgrad.train import objective as objective_lib
+
+__all__ = ["decide", "step"]
+
+
+def decide(train_step, hint: tuple[int, int] | None) -> bool:
+    """Whether ``train_step`` applies each update as backprop makes its gradient (two passes).
+
+    ``"auto"`` fuses when the gradients outweigh 4x the batch's layer outputs
+    (from the layer graph; a sequence model's unknown axes counted as the
+    batch's ``T``) and the optimizer's state is not compact.
+    """
+    options = train_step.options
+    option = options.fused_update
+    if option is False or train_step.micro_batches > 1 or options.private:
+        # With micro-batches the accumulators hold the one gradient-sized buffer anyway; DP-SGD
+        # needs every example's norm first (options refuse fused_update=True with it).
+        return False
+    why_not = None
+    if train_step.strategy.num_replicas_in_sync > 1:
+        why_not = (
+            "with several replicas the gradients are all-reduced before any update, which gathers them; "
+            "use micro_batches >= 2 (the accumulators are the floor) or fused_update=False"
+        )
+    elif getattr(train_step.optimizer, "global_clipnorm", None):
+        why_not = (
+            "the optimizer's global_clipnorm needs every gradient before any update; use "
+            "build_train_step(clip_norm=...) instead (computed in the first backward pass)"
+        )
+    if why_not is not None:
+        if option is True:
+            raise ValueError(f"fused_update=True cannot apply updates inside backward here: {why_not}.")
+        return False
+    if option is True:
+        return True
+    if hint is None or getattr(train_step.optimizer, "compact_dtype", None):
+        # Compact state: the updates run one after another (each expands its slots), and
+        # backprop runs ahead of them holding the gradients: measured, the fused step then
+        # keeps as much as the gathered one, for a second backward pass
+        # (benchmarks/compact_state.py).
+        return False
+    rows, extent = hint
+    per_row = graph.activation_bytes_per_row(train_step.model, unknown=extent)  # a sequence: T per unknown axis
+    if per_row is None:
+        return False
+    gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in train_step.model.trainable_variables)
+    # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
+    # probabilities), and the second pass keeps it all alive once more. Measured: a 16x1024
+    # GELU MLP at batch 1024 (weights = outputs) and GPT2Backbone 12x768 at T=128, batch 2
+    # (weights = 3.6x outputs; fused 1,084 vs gathered 995 MiB) are better gathered; 8 Dense
+    # 2048x2048 at batch 64 (weights = 32x outputs) fused: 165-180 vs 258 MiB.
+    return gradient_bytes > 4 * per_row * rows
+
+
+def step(train_step, x, y, sample_weight) -> dict:
+    """One micro-batch on one replica, each variable updated as backprop makes its gradient."""
+
+    def fused(x, y, sample_weight):
+        return _step(train_step, x, y, sample_weight)
+
+    return tf.function(fused, jit_compile=train_step.options.jit_compile, autograph=False)(x, y, sample_weight)
+
+
+def _step(train_step, x, y, sample_weight) -> dict:
+    model, options, loss_scale = train_step.model, train_step.options, train_step.loss_scale
+    variables = model.trainable_variables
+    facts = flows.Facts()
+    forward = flows.Forward(
+        train_step._forward_model,
+        train_step._objective,
+        train_step._state_variables,
+        split=False,
+        on_micro_batch=options.on_micro_batch,
+    )
+    reduction = train_step.reduction
+    with tf.GradientTape(persistent=True) as tape:
+        y_pred, pending = forward(
+            (x, y, sample_weight), [tf.convert_to_tensor(v) for v in forward.state_variables], facts
+        )
+        total, normalizer = forward.objective.sums(y, y_pred, sample_weight, exact=True)
+        divisor = 1.0 if reduction == "sum" else normalizer
+        target = loss_scale.scale(tf.math.divide_no_nan(total, divisor))
+    commit = [(forward.state_variables[i], pending[i]) for i in sorted(facts.written)] + facts.stray
+    first = accumulate.dense(tape.gradient(target, variables))
+    regularized = {i: v for i, v in enumerate(variables) if getattr(v, "regularizer", None) is not None}
+    connected = [i for i, g in enumerate(first) if g is not None or i in regularized]
+    update.warn_unconnected(variables, connected)
+    trained = [variables[i] for i in connected]
+
+    def loss_grads(grads):
+        return [tf.zeros(v.shape, tf.float32) if g is None else g for v, g in zip(trained, grads)]
+
+    def regularizer_grads(grads) -> dict:
+        # Each after its variable's loss gradient: computed up front they would all be alive at once.
+        reg = {}
+        for j, (i, g) in enumerate(zip(connected, grads)):
+            if i in regularized:
+                with tf.control_dependencies([g]), tf.GradientTape() as t:
+                    value = tf.cast(regularized[i].regularizer(regularized[i]), tf.float32)
+                reg[j] = t.gradient(value, regularized[i])
+        return reg
+
+    summed = loss_grads([first[i] for i in connected])
+    factor = loss_scale.unscale_factor()
+    gate = update.Update(summed, regularizer_grads(summed), factor=factor, clip_norm=options.clip_norm)
+    finite = gate.finite()
+    clip = gate.clip()
+    reg_loss = tf.zeros([], tf.float32)
+    if regularized:
+        reg_loss = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized.values()])
+    has_weight = tf.constant(True)
+    if reduction == "mean_with_sample_weight" and options.skip_zero_weight_batches:
+        has_weight = normalizer > 0
+
+    def apply():
+        second = loss_grads(accumulate.dense(tape.gradient(target, trained)))
+        final = update.Update(second, regularizer_grads(second), factor=factor)
+        grads = [final.gradient(j, clip) for j in range(len(second))]
+        with _compat.gradients_already_reduced(train_step.optimizer):
+            train_step.optimizer.apply(grads, trained)
+        for variable, value in commit:
+            variable.assign(value)
+        return tf.constant(True)
+
+    applied = tf.cond(finite & has_weight, apply, lambda: tf.constant(False))
+    with tf.control_dependencies([applied]):
+        updated = tf.cond(has_weight, lambda: train_step.update_loss_scale(finite), lambda: tf.constant(False))
+    with tf.control_dependencies([updated]):
+        loss = tf.identity(objective_lib.normalize(total, normalizer, reduction) + reg_loss)
+        return {"loss": loss, "loss_scale": tf.identity(loss_scale.value), "grads_finite": finite}

@@ -1,0 +1,108 @@
+"""The keyword options of :func:`effgrad.build_train_step` and :func:`effgrad.attach`, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from effgrad import _checks
+from effgrad.train import objective
+
+__all__ = ["StepOptions", "PLANNER_OPTIONS"]
+
+# Options that ask for a plan (effgrad.plan) instead of naming the configuration.
+PLANNER_OPTIONS = ("memory_budget", "margin")
+
+
+def _positive_number(value, name: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The configuration of one train step; every field is checked when it is made.
+
+    See :func:`effgrad.build_train_step` for what each option does.
+    """
+
+    micro_batches: int = 1
+    loss_scale: Any = "auto"
+    clip_norm: float | None = None
+    jit_compile: bool = False
+    strategy: tf.distribute.Strategy | None = None
+    reduction: str = "mean_with_sample_weight"
+    noise_scale: bool = False
+    on_micro_batch: Callable | None = None
+    # False: a batch whose weights sum to 0 is still applied (regularizers, optimizer
+    # moments, statistics), as stock Keras fit applies it; attach sets this.
+    skip_zero_weight_batches: bool = True
+    # With one micro-batch, each variable's update runs as backprop makes its gradient.
+    fused_update: bool | str = "auto"
+    # A sparse cross-entropy on a final projection computed in chunks (effgrad.train.fused_loss).
+    fused_loss: bool | str = "auto"
+    # DP-SGD: each example's gradient clipped to this norm, Gaussian noise added once per batch.
+    per_example_clip: float | None = None
+    noise_multiplier: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        for name in ("fused_update", "fused_loss"):
+            value = getattr(self, name)
+            if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+                raise ValueError(f'{name} must be True, False or "auto", got {value!r}.')
+        micro_batches = _checks.positive_int(self.micro_batches, "micro_batches", " (1 = no accumulation)")
+        object.__setattr__(self, "micro_batches", micro_batches)
+        if self.clip_norm is not None:
+            object.__setattr__(self, "clip_norm", _positive_number(self.clip_norm, "clip_norm"))
+        object.__setattr__(self, "reduction", objective.check_reduction(self.reduction))
+        if self.noise_scale and self.reduction == "sum":
+            raise ValueError(
+                'noise_scale=True estimates the noise of a MEAN loss gradient; use reduction="sum_over_batch_size" '
+                'or "mean_with_sample_weight".'
+            )
+        if self.strategy is not None and not isinstance(self.strategy, tf.distribute.Strategy):
+            raise TypeError(f"strategy must be a tf.distribute.Strategy, got {type(self.strategy).__name__}.")
+        self._check_privacy()
+
+    def _check_privacy(self) -> None:
+        if self.per_example_clip is None:
+            if self.noise_multiplier is not None:
+                raise ValueError(
+                    "noise_multiplier adds DP-SGD's noise to clipped per-example gradients: give per_example_clip=C "
+                    "too (the clipping norm, which also sets the noise's scale sigma * C)."
+                )
+            return
+        object.__setattr__(self, "per_example_clip", _positive_number(self.per_example_clip, "per_example_clip"))
+        if self.noise_multiplier is None:
+            raise ValueError(
+                "per_example_clip needs noise_multiplier=sigma as well (the Gaussian noise's standard deviation is "
+                "sigma * per_example_clip; noise_multiplier=0 clips each example's gradient without noise, which "
+                "gives no privacy)."
+            )
+        noise = _positive_number(self.noise_multiplier, "noise_multiplier", allow_zero=True)
+        object.__setattr__(self, "noise_multiplier", noise)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        for name, why in (
+            ("fused_update", "each example's gradient norm is needed before any update"),
+            ("fused_loss", "the per-example norms need the gradient of the logits"),
+        ):
+            if getattr(self, name) is True:
+                raise ValueError(f"{name}=True cannot be combined with per_example_clip: {why}.")
+
+    @property
+    def private(self) -> bool:
+        """Whether the step clips per-example gradients (DP-SGD)."""
+        return self.per_example_clip is not None
+
+    def replace(self, **changes) -> StepOptions:
+        return dataclasses.replace(self, **changes)
