@@ -59,7 +59,7 @@ def child(config: dict) -> dict:
     optimizer = keras.optimizers.Adam(1e-3)
     roomy = effgrad.plan(model, loss, optimizer, x, y, budget=2**34)
     plain = roomy.peak_bytes
-    probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**34, 0.1, {})
+    probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**34, 0.1, {}, False)
     floor = min(
         probe.measure(len(x), None).measured_bytes, min(c.measured_bytes for c in roomy.table if c.measured_bytes)
     )
@@ -73,7 +73,7 @@ def child(config: dict) -> dict:
             plan = None
         plan_seconds = time.perf_counter() - start
         # The search by hand: k = 1, 2, 4, ... real steps until one fits.
-        search = planner._Planner(model, loss, optimizer, x, y, None, None, budget, 0.0, {})
+        search = planner._Planner(model, loss, optimizer, x, y, None, None, budget, 0.0, {}, False)
         start, k = time.perf_counter(), 1
         while not config["quick"] and k <= len(x) and not search.measure(k, None).fits:
             k *= 2

@@ -5,10 +5,11 @@ Per model, one fresh process per row:
 * ``effgrad step``: the non-private step (the baseline, 1.00x);
 * ``effgrad DP-SGD``: ``per_example_clip=1.0, noise_multiplier=1.1``: per-example norms from
   taps (no per-example gradient), a second backward pass of the clipped sum;
-* ``naive per-example``: every example's gradient at once (``tf.vectorized_map`` of a tape,
-  what per-example clipping is by hand), clipped, summed, noised, applied. Its memory is
-  batch x parameters, so it is measured at small batches and the peak at the benchmark's
-  batch is extrapolated linearly (marked);
+* ``naive per-example``: every example's gradient at once (``tf.map_fn`` of a tape over the
+  examples, stacked: what per-example clipping is by hand; ``tf.vectorized_map`` segfaults
+  inside TensorFlow on the BERT model here), clipped, summed, noised, applied. Its memory
+  is batch x parameters, so it is measured at small batches and the peak at the
+  benchmark's batch is extrapolated linearly (marked);
 * ``TF Privacy 0.9.0``: installed with ``--no-deps`` (it would downgrade TensorFlow); the
   error it gives is recorded.
 """
@@ -77,7 +78,8 @@ def _naive_step(model, loss, optimizer, clip, noise):
 
     @tf.function(autograph=False)
     def step(x, y):
-        grads = tf.vectorized_map(one, (x, y))  # [batch, *variable.shape] per variable
+        specs = [tf.TensorSpec(v.shape, tf.float32) for v in variables]
+        grads = tf.map_fn(one, (x, y), fn_output_signature=specs)  # [batch, *variable.shape] per variable
         squares = tf.add_n([tf.reduce_sum(tf.reshape(g * g, [tf.shape(g)[0], -1]), 1) for g in grads])
         factors = tf.minimum(1.0, clip / tf.maximum(tf.sqrt(squares), 1e-12))
         rows = tf.cast(tf.shape(factors)[0], tf.float32)

@@ -90,6 +90,16 @@ def naive_per_example_gradients(model, loss, x, y, sample_weight=None, training=
     return grads
 
 
+def png_pixels(path) -> np.ndarray:
+    """The picture at ``path`` as an ``[H, W, channels]`` float array; a clear failure if it is no PNG or blank."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 100 and pixels.std() > 0.01, (path, pixels.shape)
+    return pixels
+
+
 def numpy_vars(variables):
     return [np.array(v.numpy()) for v in variables]
 

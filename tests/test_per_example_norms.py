@@ -111,7 +111,11 @@ def test_other_layers_fall_back_with_one_warning_naming_them(rng):
     assert sum("_Scale" in str(w.message) for w in caught) == 1
 
 
-def test_batch_normalization_is_refused_with_what_to_use(rng):
+def test_what_per_example_norms_cannot_see_is_refused_with_what_to_do(rng):
+    x, y = np.ones((3, 4), "float32"), np.ones((3, 2), "float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="LayerNormalization or GroupNormalization"):
-        effgrad.per_example_norms(model, "mse", np.ones((3, 4), "float32"), np.ones((3, 2), "float32"))
+        effgrad.per_example_norms(model, "mse", x, y)
+    wrapped = keras.Sequential([keras.Input((4,)), effgrad.Checkpoint(keras.layers.Dense(3)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="without checkpointing"):
+        effgrad.per_example_norms(wrapped, "mse", x, y)

@@ -1,5 +1,8 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
+import json
+import textwrap
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.train import planner
+from helpers import in_fresh_processes
 
 
 def _wide_mlp(seed=0):
@@ -37,7 +41,7 @@ def _data(rng, shape, n):
 
 
 def _measured_peak(model, x, y, micro_batches, segments, optimizer=None):
-    """The planned configuration measured again, from scratch, the way plan() defines a peak."""
+    """What a step of this configuration adds at its worst, once traced (to set test budgets)."""
     trained = model if segments is None else effgrad.checkpoint_model(model, segments)
     optimizer = optimizer or keras.optimizers.Adam(1e-3)
     step = effgrad.build_train_step(trained, _LOSS, optimizer, micro_batches=micro_batches)
@@ -47,6 +51,35 @@ def _measured_peak(model, x, y, micro_batches, segments, optimizer=None):
     return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in state) + report.extra_bytes
 
 
+# Training with a plan, from scratch in a fresh process ("used": after other work, whose memory is freed):
+# the allocator's peak over all of it (variables made, batch converted, every step) against the budget.
+_TRAIN_WITH_PLAN = textwrap.dedent(
+    """
+    import gc, json, sys
+    sys.path.insert(0, "tests")
+    import effgrad, keras, numpy as np, tensorflow as tf
+    import test_planner as t
+    make, shape, n, options, used = json.loads(sys.argv[1])
+    if used:  # other work first: another model trained, then dropped
+        other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(1)])
+        other.compile("adam", "mse")
+        other.fit(np.ones((4096, 64)), np.ones((4096, 1)), batch_size=512, verbose=0)
+        del other
+        gc.collect()
+    base = effgrad.memory.current_bytes()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    x, y = t._data(np.random.default_rng(0), shape, n)
+    model = getattr(t, make)()
+    segments = options.pop("segments")
+    trained = model if segments is None else effgrad.checkpoint_model(model, segments)
+    step = effgrad.build_train_step(trained, t._LOSS, keras.optimizers.Adam(1e-3), **options)
+    for _ in range(3):
+        step(x, y)
+    print("@@" + json.dumps(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base))
+    """
+)
+
+
 # Batch sizes where activations, not the fixed part (weights, Adam state, the CPU backend's
 # convolution workspace: ~60 MiB here), set the plain peak: there is room to plan in between.
 @pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 2048), (_conv, (16, 16, 3), 512)])
@@ -54,23 +87,27 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     model = make()
     x, y = _data(rng, shape, n)
     roomy = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=2**30)
-    assert (roomy.micro_batches, roomy.segments) == (1, None)  # it fits: no slowdown
-    plain = roomy.peak_bytes
+    measured = {c.key: c for c in roomy.table if c.seconds is not None}
+    plain = measured[(1, None, False)]
+    assert plain.fits and roomy.seconds_per_step <= 1.1 * min(c.seconds for c in measured.values() if c.fits)
+    if (roomy.micro_batches, roomy.segments) != (1, None):  # it fits: only a clearly faster one replaces it
+        assert roomy.seconds_per_step < plain.seconds / 1.1, roomy
+    plain = plain.measured_bytes
     smallest = min(c.measured_bytes for c in roomy.table if c.measured_bytes)
     assert smallest < 0.75 * plain, roomy  # room to plan in between
-    for fraction in (0.7,):
-        budget = int(smallest + fraction * (plain - smallest))
-        assert plain > budget + 2 * 2**20  # the plain step clearly does not fit
-        planned = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=budget)
-        assert planned.micro_batches > 1 or planned.segments is not None, planned
-        assert planned.peak_bytes <= budget, planned
-        again = _measured_peak(model, x, y, planned.micro_batches, planned.segments)
-        # One more call can peak about 1 MiB higher on a loaded machine (seen: 22.42 MB against a
-        # 22.40 MB budget); the plain step it avoided is several MiB over.
-        assert again <= budget + 2**20, (again, budget, str(planned))
-        assert planned.planning_seconds < 120, planned  # a few traces, not a search by crashing
+    budget = int(smallest + 0.7 * (plain - smallest))
+    assert plain > budget + 2 * 2**20  # the plain step clearly does not fit
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=budget)
+    assert planned.micro_batches > 1 or planned.segments is not None or planned.fused_update, planned
+    assert planned.peak_bytes <= budget, planned
+    assert planned.planning_seconds < 60, planned  # one trace per family, not a search by crashing
+    config = {**planned.step_options, "segments": planned.segments}
+    peaks = in_fresh_processes(
+        _TRAIN_WITH_PLAN, {u: [json.dumps([make.__name__, shape, n, config, u])] for u in (False, True)}
+    )
+    assert max(peaks.values()) <= budget, (peaks, budget, str(planned))
     text = str(planned)
-    assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text
+    assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text and "predicted over" in text
 
 
 def test_planned_step_is_still_the_full_batch_update(rng):
@@ -131,8 +168,11 @@ def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng):
     planned, stock = _wide_mlp(), _wide_mlp()
     for m in (planned, stock):
         m.compile(optimizer=keras.optimizers.SGD(0.05), loss=_LOSS)
-    plain_peak = _measured_peak(_wide_mlp(), x[:512], y[:512], 1, None, keras.optimizers.SGD(0.05))  # fit's batch
-    effgrad.attach(planned, micro_batches="auto", memory_budget=int(0.7 * plain_peak))
+    # fit's batch; peaks of one configuration vary ~10% between runs of this small model: the least of three
+    plain_peak = min(
+        _measured_peak(_wide_mlp(), x[:512], y[:512], 1, None, keras.optimizers.SGD(0.05)) for _ in range(3)
+    )
+    effgrad.attach(planned, micro_batches="auto", memory_budget=int(0.85 * plain_peak))
     assert planned.effgrad_plan is None
     history = planned.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
     assert planned.effgrad_plan.micro_batches > 1 and planned.effgrad_step.micro_batches > 1

@@ -3,8 +3,8 @@
 ``measure(fn, *args)`` resets the allocator's peak counter, runs ``fn`` once,
 waits for its results and reads the peak back::
 
-    collect Python garbage (so a collection during the call cannot free
-        earlier tensors and hide what the call allocates)
+    pause Python's cyclic garbage collector (a collection during the call
+        could free earlier tensors and hide what the call allocates)
     base = current bytes before the call
     reset peak; result = fn(*args); block until result is computed
     peak_bytes  = allocator peak during the call (absolute, includes `base`)
@@ -105,12 +105,19 @@ def measure(fn: Callable, *args, device: str | None = None, **kwargs) -> MemoryR
         A :class:`MemoryReport`.
     """
     device = device or default_device()
-    gc.collect()
-    base = _memory_info(device)["current"]
-    tf.config.experimental.reset_memory_stats(device)
-    result = fn(*args, **kwargs)
-    _block_until_ready(result)
-    peak = _memory_info(device)["peak"]
+    # Paused rather than run first: a full collection costs seconds in a process that has built
+    # many models (a test worker, a planner measuring many configurations).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        base = _memory_info(device)["current"]
+        tf.config.experimental.reset_memory_stats(device)
+        result = fn(*args, **kwargs)
+        _block_until_ready(result)
+        peak = _memory_info(device)["peak"]
+    finally:
+        if collecting:
+            gc.enable()
     if peak == 0:
         # A call that returns tensors allocated something: a zero peak means
         # the allocator keeps no statistics (on CPU: TensorFlow allocated its

@@ -27,6 +27,7 @@ from effgrad import _compat
 from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
+from effgrad.train.builder import planned
 from effgrad.train.options import StepOptions
 from effgrad.train.step import TrainStep, batch_shape
 
@@ -80,7 +81,7 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         raise ValueError("attach() needs a compiled model: call model.compile(optimizer=..., loss=...) first.")
     if model.loss is None:
         raise ValueError("attach() needs a compiled loss: call model.compile(optimizer=..., loss=...) first.")
-    if step_options.get("micro_batches") == "auto" or "memory_budget" in step_options:
+    if planned(step_options):
         return _attach_planned(model, step_options)
     return _attach(model, dict(step_options), forward=model)
 
@@ -201,30 +202,19 @@ def _first_batch(x, y, sample_weight, batch_size):
 
 def _attach_planned(model, step_options: dict) -> keras.Model:
     """``attach(micro_batches="auto", memory_budget=...)``: plan at the next ``fit`` from its first batch."""
-    from effgrad.remat.checkpointing import checkpoint_model
-    from effgrad.train import planner
+    from effgrad.train.planner import PlannedTrainStep
 
     options = {k: v for k, v in step_options.items() if k not in ("micro_batches", "memory_budget", "margin")}
-    planner.PlannedTrainStep(model, model.loss, model.optimizer, **step_options)  # validates the options now
+    strategy = options.get("strategy", model.distribute_strategy)
+    reduction = options.get("reduction", objective_lib.reduction_of(model.loss))
+    planned = PlannedTrainStep(  # validates every option now
+        model, model.loss, model.optimizer, **{**step_options, "strategy": strategy, "reduction": reduction}
+    )
     original_fit = type(model).fit
 
     def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
-        bx, by, bw = _first_batch(x, y, sample_weight, batch_size)
-        plan = planner.plan(
-            model,
-            model.loss,
-            model.optimizer,
-            bx,
-            by,
-            sample_weight=bw,
-            budget=step_options["memory_budget"],
-            margin=step_options.get("margin", 0.1),
-            strategy=model.distribute_strategy,
-            reduction=options.get("reduction", objective_lib.reduction_of(model.loss)),
-            **{k: v for k, v in options.items() if k not in ("reduction", "strategy", "on_micro_batch")},
-        )
-        forward = model if plan.segments is None else checkpoint_model(model, plan.segments)
-        _attach(model, {**options, "micro_batches": plan.micro_batches}, forward)
+        plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
+        _attach(model, {**options, **plan.step_options}, plan.model)
         model.effgrad_plan = plan
         del model.fit  # planned once: later fits train with this configuration
         return original_fit(model, x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)

@@ -167,11 +167,12 @@ class _Einsum(_Use):
         if self.plan is None:
             return super().norm_sq(g)
         batch, free, contracted, produced = self.plan
-        inputs, _, output = self.letters
+        inputs, kernel, output = self.letters
         x = tf.einsum(f"{inputs}->{batch}{''.join(free + contracted)}", _f32(self.x))
         g32 = tf.einsum(f"{output}->{batch}{''.join(free + produced)}", _f32(g))
-        width_in = math.prod(self.x.shape[inputs.index(c)] for c in contracted)
-        width_out = math.prod(g.shape[output.index(c)] for c in produced)
+        shape = self.variables[0].shape  # the kernel's sizes are known when tensors' may not be
+        width_in = math.prod(shape[kernel.index(c)] for c in contracted)
+        width_out = math.prod(shape[kernel.index(c)] for c in produced)
         kernel = _linear_norm_sq(_rows(x, width_in), _rows(g32, width_out), bias=False)
         return kernel + (_sum_squares(self._bias_gradient(g)) if len(self.variables) > 1 else 0.0)
 
@@ -308,9 +309,17 @@ class NormTaps:
     """
 
     def __init__(self, model):
+        from effgrad.remat.checkpointing import Checkpoint, CheckpointedModel
+
         trained = {id(v) for v in model.trainable_variables}
         self.owners = []  # (layer, its own trained variables)
         for layer in _compat.flatten_layers(model):
+            if isinstance(layer, (Checkpoint, CheckpointedModel)):
+                raise ValueError(
+                    f"{layer.name} recomputes its activations in backprop (effgrad checkpointing), where the taps "
+                    "that read each example's gradient norm cannot see them. Train the model without "
+                    "checkpointing for per-example clipping (micro_batches bound its memory instead)."
+                )
             own = [v for v in _compat.own_variables(layer) if id(v) in trained]
             if not own:
                 continue

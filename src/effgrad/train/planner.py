@@ -2,53 +2,51 @@
 
 Algorithm::
 
-    fixed + per_row * rows      # the memory model of one step, per checkpointing choice:
-                                # fixed   = parameters + optimizer state + accumulator + batch
-                                # per_row = activations (and their gradients) of one row
-    1. measure two small, safe configurations (many micro-batches of few rows)
-       and fit fixed/per_row; predict every micro_batches (1, 2, 4, ... B)
-    2. the plain step (micro_batches=1, no checkpointing) predicted to fit
-       -> measure it; it is the fastest
-    3. else the fewest micro-batches predicted to fit, measured; and, if the model
-       can be cut, the same with checkpoint_model segments (2, then sqrt)
-       (only when micro-batching alone needs 4 or more micro-batches)
-    4. keep the fastest MEASURED configuration that fits
+    shapes first (no trace): weights + optimizer state + the batch + the smallest gradient
+        buffer any configuration needs (one gradient for a fused k=1 step, else the
+        accumulator); a budget below that is refused at once, with the breakdown
+    per family (one trace each: the number of micro-batches is a runtime value of the step):
+        micro-batched (k >= 2): measure two safe k, fit  peak = fixed + per_row * rows;
+                                predict every k; measure those predicted to fit
+        plain (k = 1):          predicted from the same line (no accumulator); measured if
+                                predicted to fit; and fused_update=True (each update inside
+                                backprop) where weights outweigh activations
+        checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
+                                recompute fits with fewer than 4 micro-batches
+    keep the fastest MEASURED configuration that fits (the simplest one within 10% of it:
+    step times vary between calls)
 
 A configuration is tried only when its prediction is at most ``(1 - margin)``
-of the budget, and it fits when its measured peak is at most
-``(1 - margin / 2)`` of it (``margin`` = 10% by default): half the margin
-absorbs prediction error, half the allocator's run-to-run noise (about 1 MiB
-between identical configurations here). The chosen one is always measured,
-never only predicted; the plain step (k=1) has no accumulator, which the
-prediction subtracts.
+of the budget, and fits when its measured peak is at most ``(1 - margin / 2)``
+of it (``margin`` = 10% by default): half the margin absorbs prediction
+error, half the allocator's run-to-run noise and what ``fit`` adds (the next
+batch its input pipeline prepares).
 
-Each measurement builds a real :class:`effgrad.TrainStep` with a CLONE of the
-optimizer and runs it twice on the batch (the first call traces). The peak
-reported is the resident state counted from shapes (model variables,
-optimizer variables, accumulators) plus what the second call added at its
-worst on the device allocator (:func:`effgrad.memory.measure`'s
-``extra_bytes``: the batch, activations, gradients): what training with
-that configuration holds at its worst, independent of whatever else the
-process allocated or freed before (in-process before/after differences
-were not repeatable: up to 4 MiB apart for one configuration). Planning changes nothing: every
-model variable (weights, BatchNorm statistics, dropout seed states) is copied
-to the host first and restored after each measurement, and the caller's
-optimizer is never used.
+Each family builds one real :class:`effgrad.TrainStep` with a CLONE of the
+optimizer; a configuration's peak is the resident state counted from shapes
+(model variables, optimizer variables, accumulators) plus what a call added
+at its worst on the device allocator (:func:`effgrad.memory.measure`'s
+``extra_bytes``: the batch, activations, gradients), the largest of three calls:
+independent of whatever else the process allocated before. Planning changes
+nothing: every model variable (weights, BatchNorm statistics, dropout seed
+states) and a ``LossScale`` passed in are copied to the host first and
+restored after each family, and the caller's optimizer is never used.
 
 Trap:
     The plan holds for the batch shape it was made with: a larger batch or
     longer sequences need a new plan (``build_train_step(micro_batches="auto")``
     plans once, at the first call). On CPU the budget is the allocator's
     bytes, not the process's RSS (which adds TensorFlow's own code and caches).
+    Under ``jit_compile=True`` every number of micro-batches is its own trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import os
 import re
+import sys
 import time
 import warnings
 
@@ -57,14 +55,19 @@ import numpy as np
 import tensorflow as tf
 
 from effgrad import memory
+from effgrad.train.options import StepOptions
+from effgrad.train.step import TrainStep
 
-__all__ = ["MemoryPlan", "Candidate", "PlannedTrainStep", "plan", "parse_budget"]
+__all__ = ["MemoryPlan", "Candidate", "PlannedTrainStep", "plan", "parse_budget", "device_memory_bytes"]
 
 # Checkpointing is tried only when micro-batching alone needs this many
 # micro-batches: it recomputes the forward pass (1.2-1.4x step time measured
-# in benchmarks/checkpoint_model), and every candidate costs a trace.
+# in benchmarks/checkpoint_model), and every family costs a trace.
 _CHECKPOINT_FROM = 4
+# Measured step times within this factor of the fastest count as equally fast.
+_SAME_SPEED = 1.1
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_MIB = 2**20
 
 
 def device_memory_bytes() -> int:
@@ -124,18 +127,28 @@ def parse_budget(budget) -> int:
 
 @dataclasses.dataclass
 class Candidate:
-    """One configuration of the table: predicted, and measured when it was tried."""
+    """One configuration of the table: predicted, measured when it was tried, and the verdict."""
 
     micro_batches: int
-    segments: int | None
+    segments: int | None = None
+    fused_update: bool = False
     predicted_bytes: int | None = None
     measured_bytes: int | None = None
     seconds: float | None = None
     fits: bool | None = None
+    note: str = ""  # why it was not chosen
 
     @property
     def peak_bytes(self) -> int | None:
         return self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
+
+    @property
+    def key(self) -> tuple:
+        return self.micro_batches, self.segments, self.fused_update
+
+    def describe(self) -> str:
+        fused = ", fused_update" if self.fused_update else ""
+        return f"micro_batches={self.micro_batches}, segments={self.segments or '-'}{fused}"
 
 
 @dataclasses.dataclass
@@ -145,13 +158,18 @@ class MemoryPlan:
     Attributes:
         micro_batches: Micro-batches to split every batch into.
         segments: ``checkpoint_model`` segments, or ``None`` (no checkpointing).
+        fused_update: Whether each update runs inside backprop (one micro-batch).
         peak_bytes: Measured peak of the chosen configuration.
         seconds_per_step: Measured time of one step with it.
         budget_bytes: The budget, in bytes.
         margin: Safety margin on predictions (a fraction of the budget).
-        table: Every candidate, predicted and (when tried) measured.
+        table: Every candidate: predicted, measured when tried, and why it was not chosen.
         planning_seconds: Time planning took.
         batch_size: Rows of the batch planned for.
+        floor_bytes: What no configuration goes below (weights, optimizer
+            state, the batch, one gradient buffer), counted from shapes.
+        model: The model to train: the one given, or its ``checkpoint_model``
+            (sharing its variables) when the plan checkpoints.
     """
 
     micro_batches: int
@@ -163,21 +181,31 @@ class MemoryPlan:
     table: list[Candidate]
     planning_seconds: float
     batch_size: int
+    fused_update: bool = False
+    floor_bytes: int = 0
+    model: keras.Model | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def step_options(self) -> dict:
+        """The :func:`effgrad.build_train_step` options of the chosen configuration."""
+        return {"micro_batches": self.micro_batches, "fused_update": self.fused_update}
 
     def __str__(self) -> str:
-        mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"  # noqa: E731
+        mib = lambda b: "-" if b is None else f"{b / _MIB:,.1f}"  # noqa: E731
         lines = [
-            f"effgrad memory plan: batch {self.batch_size}, budget {mib(self.budget_bytes)} MiB "
-            f"(predictions must fit in {1 - self.margin:.0%} of it), planned in {self.planning_seconds:.1f} s",
-            f"{'micro_batches':>13} {'segments':>8} {'predicted MiB':>13} {'measured MiB':>12} {'s/step':>8}  fits",
+            f"effgrad memory plan: batch {self.batch_size}, budget {mib(self.budget_bytes)} MiB (measured peaks "
+            f"must fit in {1 - self.margin / 2:.0%} of it, predictions in {1 - self.margin:.0%}), floor "
+            f"{mib(self.floor_bytes)} MiB, planned in {self.planning_seconds:.1f} s",
+            f"{'micro_batches':>13} {'segments':>8} {'fused':>5} {'predicted MiB':>13} {'measured MiB':>12} "
+            f"{'s/step':>8}  verdict",
         ]
         for c in self.table:
-            chosen = c.micro_batches == self.micro_batches and c.segments == self.segments
+            chosen = c.key == (self.micro_batches, self.segments, self.fused_update)
             seconds = "-" if c.seconds is None else f"{c.seconds:.3f}"
-            fits = {True: "yes", False: "no", None: "?"}[c.fits]
+            verdict = "<- chosen" if chosen else c.note or {True: "fits", False: "over budget", None: "?"}[c.fits]
             lines.append(
-                f"{c.micro_batches:>13} {str(c.segments or '-'):>8} {mib(c.predicted_bytes):>13} "
-                f"{mib(c.measured_bytes):>12} {seconds:>8}  {fits}{'  <- chosen' if chosen else ''}"
+                f"{c.micro_batches:>13} {str(c.segments or '-'):>8} {'yes' if c.fused_update else '-':>5} "
+                f"{mib(c.predicted_bytes):>13} {mib(c.measured_bytes):>12} {seconds:>8}  {verdict}"
             )
         return "\n".join(lines)
 
@@ -189,8 +217,7 @@ def _bytes(variables) -> int:
 
 def _micro_batch_choices(batch: int) -> list[int]:
     """1, 2, 4, ... and the batch size itself (one row per micro-batch)."""
-    choices = [1 << i for i in range(int(math.log2(batch)) + 1)]
-    return sorted(set(choices + [batch]))
+    return sorted({1 << i for i in range(int(math.log2(batch)) + 1)} | {batch})
 
 
 def _rows(batch: int, micro_batches: int) -> int:
@@ -198,122 +225,210 @@ def _rows(batch: int, micro_batches: int) -> int:
 
 
 class _Planner:
-    def __init__(self, model, loss, optimizer, x, y, sample_weight, strategy, budget, margin, step_options):
-        self.model, self.loss, self.optimizer_config = model, loss, keras.optimizers.serialize(optimizer)
+    """Measures candidates of one model and batch: one trace per family, state restored after each."""
+
+    def __init__(self, model, loss, optimizer, x, y, sample_weight, strategy, budget, margin, options, verbose):
+        self.model, self.loss, self.options, self.verbose = model, loss, options, verbose
         # Host copies: converting inside the measured call counts the batch in every peak.
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else np.asarray(t), (x, y, sample_weight)
         )
         self.batch = int(tf.nest.flatten(self.x)[0].shape[0])
-        self.strategy, self.budget, self.margin, self.step_options = strategy, budget, margin, step_options
+        self.strategy = strategy or tf.distribute.get_strategy()
+        self.budget, self.margin = budget, margin
         # The noise scale compares micro-batch gradients: on one replica it needs 2 of them.
-        replicas = (strategy or tf.distribute.get_strategy()).num_replicas_in_sync
-        self.fewest = 2 if step_options.get("noise_scale") and replicas == 1 else 1
-        self.accumulator_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)  # float32
-        self.parameter_bytes = _bytes(model.variables)
+        replicas = self.strategy.num_replicas_in_sync
+        self.fewest = 2 if options.get("noise_scale") and replicas == 1 else 1
+        # Whether a one-micro-batch step could apply its updates inside backprop (see fused_update.decide).
+        self.can_fuse = (
+            replicas == 1
+            and options.get("fused_update", "auto") is not False
+            and not options.get("per_example_clip")
+            and not getattr(optimizer, "global_clipnorm", None)
+            and not getattr(optimizer, "compact_dtype", None)
+        )
+        # A clone of the optimizer, built now: its state is counted from shapes, the caller's is never used.
+        with self.strategy.scope():
+            self.optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+            self.optimizer.build(model.trainable_variables)
+        trained = model.trainable_variables
+        self.weights_bytes = _bytes(model.variables)
+        self.state_bytes = _bytes(self.optimizer.variables)
+        self.accumulator_bytes = 4 * sum(int(np.prod(v.shape)) for v in trained)
+        self.largest_bytes = 4 * max(int(np.prod(v.shape)) for v in trained)
+        self.batch_bytes = sum(a.nbytes for a in tf.nest.flatten((self.x, self.y, self.sample_weight)) if a is not None)
         # Everything a candidate step may write, restored after each: the model's variables and
         # those of a LossScale object the caller passed (its scale and growth counter).
-        scale = step_options.get("loss_scale")
+        scale = options.get("loss_scale")
         self.state = [*model.variables, *(scale.variables if isinstance(scale, tf.Module) else ())]
         self.snapshot = [v.numpy() for v in self.state]
-        self.measured: dict[tuple, Candidate] = {}
+        self.candidates: dict[tuple, Candidate] = {}
+        self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
 
-    def checkpointed(self, segments: int) -> keras.Model:
+    # ------------------------------------------------------------- shapes
+    def floor(self) -> int:
+        """What no configuration goes below, from shapes: weights, state, batch, one gradient buffer."""
+        gradient = self.largest_bytes if self.can_fuse and self.fewest == 1 else self.accumulator_bytes
+        return self.weights_bytes + self.state_bytes + self.batch_bytes + gradient
+
+    def breakdown(self) -> str:
+        parts = [
+            ("weights", self.weights_bytes),
+            ("optimizer state", self.state_bytes),
+            ("the batch", self.batch_bytes),
+            (
+                "one gradient" if self.can_fuse and self.fewest == 1 else "the gradient accumulator",
+                self.floor() - self.weights_bytes - self.state_bytes - self.batch_bytes,
+            ),
+        ]
+        return ", ".join(f"{name} {size / _MIB:,.1f} MiB" for name, size in parts)
+
+    # --------------------------------------------------------- measuring
+    def model_for(self, segments: int | None) -> keras.Model:
+        if segments is None:
+            return self.model
         if segments not in self._checkpointed:
             from effgrad.remat.checkpointing import checkpoint_model
 
-            self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # segments that cannot all be placed: the table says what was built
+                self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
-    def measure(self, micro_batches: int, segments: int | None) -> Candidate:
-        key = (micro_batches, segments)
-        if key in self.measured:
-            return self.measured[key]
-        from effgrad.train.step import TrainStep
+    def _step(self, micro_batches: int, segments: int | None, fused: bool) -> TrainStep:
+        """The family's one step: micro-batched ones share a trace whatever their number."""
+        family = (micro_batches > 1, segments, fused)
+        if family not in self.steps:
+            options = {**self.options, "micro_batches": max(micro_batches, 1), "strategy": self.strategy}
+            if micro_batches == 1:
+                options["fused_update"] = fused
+            self.steps[family] = TrainStep(self.model_for(segments), self.loss, self.optimizer, **options)
+        step = self.steps[family]
+        step.micro_batches = micro_batches
+        return step
 
-        model = self.model if segments is None else self.checkpointed(segments)
-        candidate = Candidate(micro_batches, segments)
-        step = optimizer = None
-        gc.collect()
+    def measure(self, micro_batches: int, segments: int | None = None, fused: bool = False) -> Candidate:
+        candidate = self.candidate(micro_batches, segments, fused)
+        if candidate.measured_bytes is not None or candidate.note == "out of memory":
+            return candidate
         try:
-            optimizer = keras.optimizers.deserialize(self.optimizer_config)
-            step = TrainStep(
-                model, self.loss, optimizer, micro_batches=micro_batches, strategy=self.strategy, **self.step_options
-            )
-            step(self.x, self.y, self.sample_weight)  # traces, creates the optimizer state
-            # The peak varies from call to call with how the executor's threads interleave
-            # frees and allocations (more under CPU contention, e.g. parallel test workers):
-            # the larger of two calls, and the faster of their times.
+            step = self._step(micro_batches, segments, fused)
+            run = lambda: step(self.x, self.y, self.sample_weight)["loss"]  # noqa: E731
+            run()  # traces (once per family), creates the accumulators
+            # The peak varies from call to call with how the executor's threads interleave frees
+            # and allocations: the largest of three calls, and the fastest of their times.
             reports, times = [], []
-            for _ in range(2):
+            for _ in range(3):
                 start = time.perf_counter()
-                reports.append(memory.measure(lambda: step(self.x, self.y, self.sample_weight)["loss"]))
+                reports.append(memory.measure(run))
                 times.append(time.perf_counter() - start)
-            report, candidate.seconds = max(reports, key=lambda r: r.extra_bytes), min(times)
-            # Resident state counted from shapes, the step's own transient peak measured: both
-            # are the same whatever else this process allocated or freed before.
-            state = [*model.variables, *optimizer.variables, *(step._accumulators or [])]
-            candidate.measured_bytes = _bytes(state) + report.extra_bytes
+            extra, candidate.seconds = max(r.extra_bytes for r in reports), min(times)
+            accumulators = step._accumulators if micro_batches > 1 else []
+            candidate.measured_bytes = self.weights_bytes + self.state_bytes + _bytes(accumulators) + extra
+            candidate.fits = candidate.measured_bytes <= (1 - self.margin / 2) * self.budget
+            if not candidate.fits:
+                candidate.note = "over budget (measured)"
         except tf.errors.ResourceExhaustedError:  # out of memory on a real accelerator: does not fit
-            candidate.fits = False
+            candidate.fits, candidate.note = False, "out of memory"
         finally:
             self.restore()
-            step = optimizer = None
-            gc.collect()
-        if candidate.fits is None:
-            # Half the margin stays free for the allocator's run-to-run noise.
-            candidate.fits = candidate.measured_bytes <= (1 - self.margin / 2) * self.budget
-        self.measured[key] = candidate
+        if self.verbose:
+            peak = (
+                "out of memory" if candidate.measured_bytes is None else f"{candidate.measured_bytes / _MIB:,.1f} MiB"
+            )
+            verdict = "fits" if candidate.fits else "over budget"
+            print(
+                f"effgrad plan: {candidate.describe()}: {peak} ({verdict} {self.budget / _MIB:,.1f} MiB)"
+                + ("" if candidate.seconds is None else f", {candidate.seconds:.3f} s/step"),
+                file=sys.stderr,
+                flush=True,
+            )
         return candidate
+
+    def candidate(self, micro_batches: int, segments: int | None = None, fused: bool = False) -> Candidate:
+        key = (micro_batches, segments, fused)
+        if key not in self.candidates:
+            self.candidates[key] = Candidate(micro_batches, segments, fused)
+        return self.candidates[key]
 
     def restore(self) -> None:
         for variable, value in zip(self.state, self.snapshot):
             variable.assign(value)
 
-    def fit_line(self, segments: int | None) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` of the micro-batched step from two safe measurements.
+    # ------------------------------------------------------------ planning
+    def line(self, segments: int | None) -> tuple[float, float] | None:
+        """``(fixed, per_row)`` of the micro-batched family from two safe measurements.
 
         The points are far apart (1/16 and 1/4 of the batch per micro-batch)
         so the allocator's noise (about 1 MiB between identical runs here)
-        does not swamp the slope.
+        does not swamp the slope. Both run on the family's one trace.
         """
         rows = sorted({max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))})
         points = []
         for r in rows:
-            c = self.measure(math.ceil(self.batch / r), segments)
+            k = max(2, math.ceil(self.batch / r))
+            c = self.measure(k, segments)
             if c.measured_bytes is None:
                 return None
-            points.append((_rows(self.batch, c.micro_batches), c.measured_bytes))
-        if len(points) == 1 or points[0][0] == points[-1][0]:
+            points.append((_rows(self.batch, k), c.measured_bytes))
+        if points[0][0] == points[-1][0]:
             return float(points[0][1]), 0.0
         (r1, p1), (r2, p2) = points[0], points[-1]
         per_row = max(0.0, (p2 - p1) / (r2 - r1))
         return p1 - per_row * r1, per_row
 
-    def predict(self, line: tuple[float, float], micro_batches: int) -> int:
-        fixed, per_row = line
-        # One micro-batch needs no accumulator: the plain step holds one gradient-sized buffer less.
-        accumulators = self.accumulator_bytes if micro_batches == 1 else 0
-        return int(fixed + per_row * _rows(self.batch, micro_batches) - accumulators)
+    def predict(self, line, micro_batches: int, fused: bool = False) -> int:
+        """A configuration's peak from the micro-batched family's line.
 
-    def best(self, segments: int | None, table: list[Candidate]) -> Candidate | None:
-        """The fewest micro-batches predicted to fit, confirmed by measuring, for one checkpointing choice."""
-        line = self.fit_line(segments)
+        One micro-batch has no accumulator but gathers every gradient (as
+        much again) before its update; fused, only a couple are alive at once.
+        """
+        fixed, per_row = line
+        peak = fixed + per_row * _rows(self.batch, micro_batches)
+        if micro_batches == 1 and fused:
+            peak -= self.accumulator_bytes - 2 * self.largest_bytes
+        return int(peak)
+
+    def explore(self, segments: int | None, most: int = 3) -> None:
+        """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit."""
+        line = self.line(segments)
         if line is None:
-            return None
-        chosen = None
+            return
+        measured = 0
         for k in [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]:
-            predicted = self.predict(line, k)
-            if chosen is None and predicted <= (1 - self.margin) * self.budget:
-                measured = self.measure(k, segments)
-                chosen = measured if measured.fits else None
-            c = self.measured.get((k, segments)) or Candidate(k, segments)
-            c.predicted_bytes = predicted
-            if c.fits is None:
-                c.fits = predicted <= (1 - self.margin) * self.budget
-            table.append(c)
-        return chosen
+            variants = [False, True] if k == 1 and self.can_fuse else [False]
+            for fused in variants:
+                c = self.candidate(k, segments, fused)
+                c.predicted_bytes = self.predict(line, k, fused)
+                if c.measured_bytes is not None:
+                    continue
+                # The one-micro-batch step is the fastest and its prediction the least sure (gathered
+                # gradients): it is tried up to the measured limit, the others within the margin.
+                allowed = (1 - (self.margin / 2 if k == 1 else self.margin)) * self.budget
+                if c.predicted_bytes > allowed:
+                    c.fits, c.note = False, "predicted over budget"
+                elif fused and self.candidate(1, segments).fits:
+                    c.note = "not measured: the gathered step fits and is faster"
+                elif measured < most:
+                    self.measure(k, segments, fused)
+                    measured += 1
+                else:
+                    c.note = "not measured: fewer micro-batches fit"
+
+    def best(self) -> Candidate | None:
+        """The simplest fitting configuration (fewest micro-batches, no recompute) within 10% of the fastest.
+
+        Step times of one configuration vary between calls (by tens of percent on a busy machine): a
+        configuration that measured a little faster is not faster, and the simpler one is the plain
+        step users know, which keeps the most memory free.
+        """
+        fitting = [c for c in self.candidates.values() if c.fits and c.seconds is not None]
+        if not fitting:
+            return None
+        fastest = min(c.seconds for c in fitting)
+        close = [c for c in fitting if c.seconds <= _SAME_SPEED * fastest]
+        return min(close, key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update, c.seconds))
 
 
 def _segment_choices(model) -> list[int]:
@@ -340,6 +455,7 @@ def plan(
     sample_weight=None,
     strategy: tf.distribute.Strategy | None = None,
     margin: float = 0.1,
+    verbose: bool = True,
     **step_options,
 ) -> MemoryPlan:
     """Finds the fastest train-step configuration whose measured peak fits ``budget``.
@@ -348,7 +464,7 @@ def plan(
         >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
         ...                           keras.layers.Dense(1)])
         >>> x, y = np.ones((256, 16), "float32"), np.zeros((256, 1), "float32")
-        >>> plan = effgrad.plan(model, "mse", keras.optimizers.SGD(0.01), x, y, budget="256MiB")
+        >>> plan = effgrad.plan(model, "mse", keras.optimizers.SGD(0.01), x, y, budget="256MiB", verbose=False)
         >>> plan.micro_batches, plan.segments  # it fits as it is: no slowdown
         (1, None)
         >>> print(plan)  # doctest: +SKIP
@@ -365,10 +481,12 @@ def plan(
         y: Its targets.
         budget: Bytes (int), a size string (``"300MiB"``, ``"6GiB"``) or a
             fraction in (0, 1] of the device's memory (the GPU's; on CPU the
-            machine's RAM).
+            machine's RAM), as a number or a string (``"0.5"``).
         sample_weight: Optional sample weights of the batch.
         strategy: A ``tf.distribute.Strategy``; default the current one.
-        margin: Predictions must fit in ``(1 - margin) * budget`` to be tried.
+        margin: Predictions must fit in ``(1 - margin) * budget`` to be tried,
+            measured peaks in ``(1 - margin / 2) * budget``.
+        verbose: One line per measured configuration on stderr.
         **step_options: Other :func:`effgrad.build_train_step` options
             (``loss_scale``, ``clip_norm``, ``reduction``, ...).
 
@@ -376,9 +494,9 @@ def plan(
         A :class:`MemoryPlan`.
 
     Raises:
-        ValueError: nothing fits; the message names the smallest peak
-            achievable and whether parameters + optimizer state or
-            activations dominate it.
+        ValueError: the budget is below what never shrinks (said before any
+            trace, with the breakdown), or nothing measured fits (the message
+            names the smallest peak achievable and what dominates it).
     """
     started = time.perf_counter()
     budget_bytes = parse_budget(budget)
@@ -387,56 +505,77 @@ def plan(
     for name in ("micro_batches", "memory_budget"):
         if name in step_options:
             raise TypeError(f"plan() chooses {name}; do not pass it.")
+    StepOptions(**step_options)  # every bad option is refused before any work
     if not getattr(model, "built", False):
         raise ValueError("plan() needs a built model: call it once on a batch, or build it, first.")
-    planner = _Planner(model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options))
-    table: list[Candidate] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # segments that cannot all be placed: the table says what was built
-        families = [None] + _segment_choices(model)
-        found = []
-        for segments in families:
-            best = planner.best(segments, table)
-            if best is not None:
-                found.append(best)
-            if best is not None and best.micro_batches < _CHECKPOINT_FROM:
-                break  # the plain step, or 2 micro-batches: checkpointing (1.2-1.4x time) is not faster
-    planner.restore()
-    if not found:
-        smallest = min((c for c in planner.measured.values() if c.measured_bytes), key=lambda c: c.measured_bytes)
-        fixed = planner.fit_line(smallest.segments)
+    planner = _Planner(
+        model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options), verbose
+    )
+    floor = planner.floor()
+    if floor > (1 - margin / 2) * budget_bytes:
+        raise ValueError(
+            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (less the {margin / 2:.0%} kept free): every "
+            f"configuration holds at least {floor / _MIB:,.1f} MiB ({planner.breakdown()}), whatever the "
+            "micro-batches or checkpointing. A smaller optimizer state (effgrad.compact_state(optimizer) keeps it "
+            f"in about {0.26 * planner.state_bytes / _MIB:,.1f} MiB; SGD, Adafactor), float16 weights or a smaller "
+            "batch help."
+        )
+    try:
+        planner.explore(None)
+        best = planner.best()
+        if (best is None or best.micro_batches >= _CHECKPOINT_FROM) and not step_options.get("per_example_clip"):
+            # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many.
+            for segments in _segment_choices(model):
+                planner.explore(segments, most=2)
+                found = planner.best()
+                if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
+                    break
+            best = planner.best()
+    finally:
+        planner.restore()
+    table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
+    if best is None:
+        measured = [c for c in table if c.measured_bytes is not None]
+        if not measured:
+            raise ValueError(f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB: every configuration ran out of memory.")
+        smallest = min(measured, key=lambda c: c.measured_bytes)
+        line = planner.line(smallest.segments)
         what = ""
-        if fixed is not None:
-            base, per_row = fixed
+        if line is not None:
+            fixed, per_row = line
             activations = per_row * _rows(planner.batch, smallest.micro_batches)
             what = (
-                f" Of it, about {base / 2**20:,.1f} MiB does not shrink with micro-batches or segments "
-                f"(parameters {planner.parameter_bytes / 2**20:,.1f} MiB, optimizer state, accumulators, the "
-                f"batch, the backend's per-step workspace) and activations are {activations / 2**20:,.1f} MiB: "
+                f" Of it, about {fixed / _MIB:,.1f} MiB does not shrink with micro-batches or segments ("
+                f"{planner.breakdown()}, the backend's per-step workspace) and activations are "
+                f"{activations / _MIB:,.1f} MiB: "
                 + (
-                    "the fixed part dominates; a smaller optimizer state (SGD, Adafactor), float16 weights or "
-                    "a smaller batch help."
-                    if base >= activations
+                    "the fixed part dominates; a smaller optimizer state (effgrad.compact_state, SGD, Adafactor), "
+                    "float16 weights or a smaller batch help."
+                    if fixed >= activations
                     else "activations dominate; checkpointing inside the model's layers helps."
                 )
             )
         raise ValueError(
-            f"Nothing fits in {budget_bytes / 2**20:,.1f} MiB: the smallest peak achievable is "
-            f"{smallest.measured_bytes / 2**20:,.1f} MiB (micro_batches={smallest.micro_batches}, "
-            f"segments={smallest.segments}).{what}"
+            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (measured peaks must stay within "
+            f"{(1 - margin / 2) * budget_bytes / _MIB:,.1f} MiB, the budget less {margin / 2:.0%} kept free): the "
+            f"smallest peak achievable is {smallest.measured_bytes / _MIB:,.1f} MiB ({smallest.describe()}).{what}"
         )
-    chosen = min(found, key=lambda c: c.seconds)
-    table.sort(key=lambda c: (c.segments or 0, c.micro_batches))
+    for c in table:
+        if c.fits and c is not best and not c.note:
+            c.note = "fits, slower"
     return MemoryPlan(
-        micro_batches=chosen.micro_batches,
-        segments=chosen.segments,
-        peak_bytes=chosen.measured_bytes,
-        seconds_per_step=chosen.seconds,
+        micro_batches=best.micro_batches,
+        segments=best.segments,
+        fused_update=best.fused_update,
+        peak_bytes=best.measured_bytes,
+        seconds_per_step=best.seconds,
         budget_bytes=budget_bytes,
         margin=margin,
         table=table,
         planning_seconds=time.perf_counter() - started,
         batch_size=planner.batch,
+        floor_bytes=floor,
+        model=planner.model_for(best.segments),
     )
 
 
@@ -444,15 +583,15 @@ class PlannedTrainStep:
     """``build_train_step(..., micro_batches="auto", memory_budget=...)``.
 
     Plans at the first call (when the batch shape is known), then trains
-    exactly as a :class:`effgrad.TrainStep` built with the chosen
-    ``micro_batches`` (on ``checkpoint_model(model, segments)`` when the plan
-    checkpoints). Attributes: ``plan`` (the :class:`MemoryPlan`, ``None``
-    before the first call) and, after it, those of the inner step.
+    exactly as a :class:`effgrad.TrainStep` built with the chosen options
+    (on the plan's ``checkpoint_model`` when it checkpoints). Attributes:
+    ``plan`` (the :class:`MemoryPlan`, ``None`` before the first call) and,
+    after it, those of the inner step.
     """
 
-    def __init__(self, model, loss, optimizer, *, micro_batches="auto", memory_budget=None, margin=0.1, **options):
-        from effgrad.train.options import StepOptions
-
+    def __init__(
+        self, model, loss, optimizer, *, micro_batches="auto", memory_budget=None, margin=0.1, verbose=True, **options
+    ):
         if micro_batches != "auto":
             raise ValueError(f"memory_budget goes with micro_batches='auto' (got micro_batches={micro_batches!r}).")
         if memory_budget is None:
@@ -462,33 +601,25 @@ class PlannedTrainStep:
         self.budget_bytes = parse_budget(memory_budget)
         StepOptions(**options)  # every other bad option is refused now, not at the first batch
         self.model, self.loss, self.optimizer, self.margin, self.options = model, loss, optimizer, margin, options
+        self.verbose = verbose
         self.plan: MemoryPlan | None = None
         self.step = None
 
+    def choose(self, x, y, sample_weight=None) -> MemoryPlan:
+        """Plans for this batch (once): :attr:`plan`."""
+        if self.plan is None:
+            options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
+            self.plan = plan(
+                self.model, self.loss, self.optimizer, x, y, budget=self.budget_bytes, sample_weight=sample_weight,
+                margin=self.margin, verbose=self.verbose, **options,
+            )  # fmt: skip
+        return self.plan
+
     def __call__(self, x, y, sample_weight=None) -> dict:
         if self.step is None:
-            self.step = self.build(x, y, sample_weight)
+            chosen = self.choose(x, y, sample_weight)
+            self.step = TrainStep(chosen.model, self.loss, self.optimizer, **{**self.options, **chosen.step_options})
         return self.step(x, y, sample_weight)
-
-    def build(self, x, y, sample_weight=None):
-        """Plans for this batch and builds the step it chose."""
-        from effgrad.remat.checkpointing import checkpoint_model
-        from effgrad.train.step import TrainStep
-
-        options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
-        self.plan = plan(
-            self.model,
-            self.loss,
-            self.optimizer,
-            x,
-            y,
-            budget=self.budget_bytes,
-            sample_weight=sample_weight,
-            margin=self.margin,
-            **options,
-        )
-        model = self.model if self.plan.segments is None else checkpoint_model(self.model, self.plan.segments)
-        return TrainStep(model, self.loss, self.optimizer, micro_batches=self.plan.micro_batches, **self.options)
 
     @property
     def micro_batches(self):
