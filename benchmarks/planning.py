@@ -1,15 +1,21 @@
-"""effgrad.plan: how good its predictions are, and what planning costs.
+"""effgrad.plan: what planning costs, how good its predictions are, and whether budgets hold at ``fit`` level.
 
-For a wide MLP (8x256, batch 2048) and a residual conv net (32x32x3, batch
-256), Adam, in a fresh process each:
+Models: keras.applications ResNet50 (``weights=None``) on 64x64 images, batch 32, and the keras_hub
+GPT2CausalLM of the fused-loss benchmark (vocabulary 50,257, 2 layers, hidden 256, T=256, batch 8),
+both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
 
-* the plain step's peak and the smallest peak (floor) are found;
-* for budgets at 90%, 70% and 50% of the way from the floor to the plain
-  peak: ``effgrad.plan`` (its time, choice and measured peak), and the
-  search users do by hand: double ``micro_batches`` from 1, running real
-  steps, until a step fits (its time and choice);
-* every candidate of the tables is measured, so each prediction has an
-  error: ``predicted / measured - 1``.
+* ``probe``: the plain step's peak and time, and the floor (the smallest peak any configuration
+  reaches: one row per micro-batch, with and without checkpointing);
+* for budgets 90%, 70% and 50% of the way from the floor to the plain peak:
+  ``effgrad.plan`` (its time, choice and measured peak; its time in plain steps; the chosen step's
+  time against the fastest measured one; every prediction it measured afterwards, as
+  ``predicted / measured - 1``), and the search users do by hand: a new step with
+  ``micro_batches`` = 1, 2, 4, ... (a trace each), real steps, until one fits;
+* ``fit fresh`` / ``fit used``: ``attach(micro_batches="auto", memory_budget=...)`` and ``model.fit``
+  in a fresh process, and in one that trained another model first: the allocator's peak while
+  ``fit`` trains with the plan (over three epochs after the one that planned), counted from
+  before the model was built (weights, optimizer state, accumulators, Keras's objects, the input
+  pipeline), against the budget; and the peak of the first epoch, planning included.
 """
 
 from __future__ import annotations
@@ -21,116 +27,177 @@ from benchmarks import common
 MODULE = "benchmarks.planning"
 
 
-def _models(kind: str):
+def _setup(kind: str):
     import keras
     import numpy as np
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    if kind == "mlp_8x256_b2048":
+    if kind == "resnet50_64x64_b32":
+        model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+        x, y = rng.uniform(0, 1, (32, 64, 64, 3)).astype("float32"), rng.integers(0, 10, 32)
+    elif kind == "gpt2_lm_v50257_t256_b8":
+        import keras_hub
+
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=50257, num_layers=2, num_heads=4, hidden_dim=256, intermediate_dim=1024,
+            max_sequence_length=256,
+        )  # fmt: skip
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        tokens = rng.integers(1, 50257, (8, 256)).astype("int32")
+        x, y = {"token_ids": tokens, "padding_mask": np.ones((8, 256), "int32")}, np.roll(tokens, -1, 1)
+    else:  # quick
         model = keras.Sequential(
-            [keras.Input((32,))]
-            + [keras.layers.Dense(256, activation="relu") for _ in range(8)]
+            [keras.Input((32,))] + [keras.layers.Dense(256, activation="relu") for _ in range(8)]
             + [keras.layers.Dense(4)]
-        )
-        x = rng.normal(size=(2048, 32)).astype("float32")
-    else:
-        inputs = keras.Input((32, 32, 3))
-        h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
-        for _ in range(4):
-            r = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
-            r = keras.layers.BatchNormalization()(r)
-            h = keras.layers.Add()([h, r])
-        model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h)))
-        x = rng.normal(size=(256, 32, 32, 3)).astype("float32")
-    return model, x, rng.integers(0, 4, len(x))
+        )  # fmt: skip
+        x, y = rng.normal(size=(512, 32)).astype("float32"), rng.integers(0, 4, 512)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, x, y, loss
+
+
+def _rows(x) -> int:
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(x)[0].shape[0])
 
 
 def child(config: dict) -> dict:
+    import gc
+
     import keras
+    import numpy as np
+    import tensorflow as tf
 
     import effgrad
     from effgrad.train import planner
 
-    model, x, y = _models(config["model"])
-    if config["quick"]:  # it runs end to end; the numbers come from the full run
-        x, y = x[:64], y[:64]
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    optimizer = keras.optimizers.Adam(1e-3)
-    roomy = effgrad.plan(model, loss, optimizer, x, y, budget=2**34)
-    plain = roomy.peak_bytes
-    probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**34, 0.1, {}, False)
-    floor = min(
-        probe.measure(len(x), None).measured_bytes, min(c.measured_bytes for c in roomy.table if c.measured_bytes)
-    )
-    rows, errors = [], []
-    for fraction in (0.7,) if config["quick"] else (0.9, 0.7, 0.5):
-        budget = int(floor + fraction * (plain - floor))
-        start = time.perf_counter()
-        try:
-            plan = effgrad.plan(model, loss, optimizer, x, y, budget=budget)
-        except ValueError:
-            plan = None
-        plan_seconds = time.perf_counter() - start
-        # The search by hand: k = 1, 2, 4, ... real steps until one fits.
-        search = planner._Planner(model, loss, optimizer, x, y, None, None, budget, 0.0, {}, False)
-        start, k = time.perf_counter(), 1
-        while not config["quick"] and k <= len(x) and not search.measure(k, None).fits:
-            k *= 2
-        search_seconds = time.perf_counter() - start
-        if plan is not None:
-            # Every candidate's prediction against a measurement (quick: the chosen one's code path).
-            chosen = [c for c in plan.table if (c.micro_batches, c.segments) == (plan.micro_batches, plan.segments)]
-            table = chosen if config["quick"] else plan.table
-            for c in table:
-                if c.predicted_bytes is not None:
-                    measured = probe.measure(c.micro_batches, c.segments).measured_bytes
-                    errors.append(c.predicted_bytes / measured - 1)
-        rows.append(
-            {
-                "model": config["model"],
-                "budget_mib": budget / 2**20,
-                "plain_mib": plain / 2**20,
-                "floor_mib": floor / 2**20,
-                "chosen": "-" if plan is None else f"k={plan.micro_batches}, seg={plan.segments or '-'}",
-                "peak_mib": None if plan is None else plan.peak_bytes / 2**20,
-                "step_s": None if plan is None else plan.seconds_per_step,
-                "plan_s": plan_seconds,
-                "doubling_search_s": search_seconds,
-                "doubling_found": f"k={k}" if k <= len(x) else "none",
-                "plain_step_s": roomy.seconds_per_step,
-            }
-        )
-    abs_errors = [abs(e) for e in errors]
-    for row in rows:
-        row["prediction_error_mean_pct"] = 100 * sum(abs_errors) / max(len(abs_errors), 1)
-        row["prediction_error_max_pct"] = 100 * max(abs_errors, default=0.0)
-    return {"rows": rows, "seconds": sum(r["plan_s"] for r in rows)}
+    role = config["role"]
+    if role.startswith("fit"):
+        if role == "fit used":  # other work first: another model trained, then dropped
+            other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024), keras.layers.Dense(1)])
+            other.compile("adam", "mse")
+            other.fit(np.ones((8192, 64)), np.ones((8192, 1)), batch_size=1024, verbose=0)
+            del other
+            gc.collect()
+        base = effgrad.memory.current_bytes()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model, x, y, loss = _setup(config["model"])
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
+        effgrad.attach(model, micro_batches="auto", memory_budget=config["budget"], verbose=False)
+        model.fit(x, y, batch_size=_rows(x), epochs=1, verbose=0)  # plans at its first batch, then trains
+        planning = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.fit(x, y, batch_size=_rows(x), epochs=3, verbose=0)  # training with the plan, everything resident
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+        return {"fit_peak": peak, "planning_peak": planning, "chosen": model.effgrad_plan.step_options, "seconds": 0.0}
+    model, x, y, loss = _setup(config["model"])
+    optimizer = keras.optimizers.Adam(1e-4)
+    if role == "probe":
+        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False)
+        plain = probe.measure(1, None)
+        smallest = [probe.measure(_rows(x), None)]
+        segments = planner._segment_choices(model)
+        if segments:
+            smallest.append(probe.measure(_rows(x), max(segments)))
+        floor = min(c.measured_bytes for c in smallest)
+        return {"plain": plain.measured_bytes, "plain_s": plain.seconds, "floor": floor, "seconds": plain.seconds}
+    budget = config["budget"]
+    start = time.perf_counter()
+    try:
+        plan = effgrad.plan(model, loss, optimizer, x, y, budget=budget, verbose=False)
+    except ValueError as err:
+        return {"plan_s": time.perf_counter() - start, "error": str(err)[:200], "seconds": 0.0}
+    plan_s = time.perf_counter() - start
+    # The search by hand: a new step (a new trace) for k = 1, 2, 4, ... until one fits.
+    start, k, found = time.perf_counter(), 1, None
+    limit = (1 - plan.margin / 2) * budget
+    while k <= _rows(x) and found is None:
+        step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-4), micro_batches=k, fused_update=False)
+        step(x, y)
+        state = [*model.variables, *step.optimizer.variables, *(step._accumulators or [])]
+        peak = planner._bytes(state) + max(effgrad.memory.measure(lambda s=step: s(x, y)["loss"]).extra_bytes
+                                          for _ in range(2))  # fmt: skip
+        found = k if peak <= limit else None
+        k *= 2
+    search_s = time.perf_counter() - start
+    # Predictions made before measuring: every candidate the plan measured and had predicted.
+    errors = [c.predicted_bytes / c.measured_bytes - 1 for c in plan.table if c.predicted_bytes and c.measured_bytes]
+    fitting = [c.seconds for c in plan.table if c.fits and c.seconds]
+    return {
+        "chosen": f"k={plan.micro_batches}, seg={plan.segments or '-'}" + (", fused" if plan.fused_update else ""),
+        "peak": plan.peak_bytes,
+        "step_s": plan.seconds_per_step,
+        "plan_s": plan_s,
+        "search_s": search_s,
+        "search_found": "none" if found is None else f"k={found}",
+        "errors": errors,
+        "vs_fastest": plan.seconds_per_step / min(fitting),
+        "measured": sum(c.measured_bytes is not None for c in plan.table),
+        "seconds": plan_s,
+    }
 
 
 def run(quick: bool = False) -> dict:
-    models = ["mlp_8x256_b2048"] if quick else ["mlp_8x256_b2048", "resnet_conv_32x32_b256"]
+    models = ["mlp_8x256_b512"] if quick else ["resnet50_64x64_b32", "gpt2_lm_v50257_t256_b8"]
+    fractions = (0.7,) if quick else (0.9, 0.7, 0.5)
     rows = []
     for model in models:
-        rows += common.run_isolated(MODULE, {"model": model, "quick": quick}, timeout=3600)["rows"]
+        probe = common.run_isolated(MODULE, {"model": model, "role": "probe"}, timeout=3600)
+        for fraction in fractions:
+            budget = int(probe["floor"] + fraction * (probe["plain"] - probe["floor"]))
+            planned = common.run_isolated(MODULE, {"model": model, "role": "plan", "budget": budget}, timeout=3600)
+            fits = {}
+            for role in ("fit fresh", "fit used"):
+                fits[role] = common.run_isolated(MODULE, {"model": model, "role": role, "budget": budget}, timeout=3600)
+            errors = [abs(e) for e in planned.get("errors", [])]
+            rows.append(
+                {
+                    "model": model,
+                    "fraction": fraction,
+                    "budget_mib": budget / 2**20,
+                    "plain_mib": probe["plain"] / 2**20,
+                    "floor_mib": probe["floor"] / 2**20,
+                    "chosen": planned.get("chosen", planned.get("error")),
+                    "peak_mib": planned["peak"] / 2**20 if "peak" in planned else None,
+                    "step_s": planned.get("step_s"),
+                    "vs_fastest": planned.get("vs_fastest"),
+                    "plan_s": planned["plan_s"],
+                    "plan_steps": planned["plan_s"] / probe["plain_s"],
+                    "search_s": planned.get("search_s"),
+                    "search_found": planned.get("search_found"),
+                    "error_mean_pct": 100 * sum(errors) / len(errors) if errors else None,
+                    "error_max_pct": 100 * max(errors) if errors else None,
+                    "fit_fresh_mib": fits["fit fresh"]["fit_peak"] / 2**20,
+                    "fit_used_mib": fits["fit used"]["fit_peak"] / 2**20,
+                    "planning_mib": max(f["planning_peak"] for f in fits.values()) / 2**20,
+                    "fit_within": max(f["fit_peak"] for f in fits.values()) <= budget,
+                }
+            )
     title = (
-        "effgrad.plan vs a doubling search of micro_batches that runs real steps (Adam): budgets 90/70/50% of "
-        "the way from the smallest to the plain peak; prediction error over every candidate of the tables"
+        "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak; planning time vs a "
+        "doubling search of micro_batches that traces and runs a step per try; predictions vs measurements; the "
+        "budget at fit level (3 epochs of model.fit with attach(micro_batches='auto')) in a fresh and a used process"
     )
     columns = [
         ("model", "model", ""),
+        ("fraction", "of the way", ".1f"),
         ("budget_mib", "budget MiB", ",.1f"),
-        ("plain_mib", "plain peak MiB", ",.1f"),
-        ("floor_mib", "smallest MiB", ",.1f"),
+        ("plain_mib", "plain MiB", ",.1f"),
+        ("floor_mib", "floor MiB", ",.1f"),
         ("chosen", "plan chose", ""),
         ("peak_mib", "measured MiB", ",.1f"),
-        ("step_s", "s/step", ".3f"),
-        ("plain_step_s", "plain s/step", ".3f"),
+        ("vs_fastest", "time vs fastest", ".2f"),
         ("plan_s", "plan s", ".1f"),
-        ("doubling_found", "doubling found", ""),
-        ("doubling_search_s", "doubling s", ".1f"),
-        ("prediction_error_mean_pct", "pred. err mean %", ".1f"),
-        ("prediction_error_max_pct", "pred. err max %", ".1f"),
+        ("plan_steps", "plan in plain steps", ".1f"),
+        ("search_s", "doubling s", ".1f"),
+        ("search_found", "doubling found", ""),
+        ("error_mean_pct", "pred. err mean %", ".1f"),
+        ("error_max_pct", "pred. err max %", ".1f"),
+        ("fit_fresh_mib", "fit peak fresh MiB", ",.1f"),
+        ("fit_used_mib", "fit peak used MiB", ",.1f"),
+        ("fit_within", "fit within budget", ""),
+        ("planning_mib", "peak while planning MiB", ",.1f"),
     ]
     return common.publish("planning", title, rows, columns, models=models)
 

@@ -28,7 +28,7 @@ from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
 from effgrad.train.builder import planned
-from effgrad.train.options import StepOptions
+from effgrad.train.options import PLANNER_OPTIONS, StepOptions
 from effgrad.train.step import TrainStep, batch_shape
 
 __all__ = ["attach"]
@@ -204,7 +204,7 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
     """``attach(micro_batches="auto", memory_budget=...)``: plan at the next ``fit`` from its first batch."""
     from effgrad.train.planner import PlannedTrainStep
 
-    options = {k: v for k, v in step_options.items() if k not in ("micro_batches", "memory_budget", "margin")}
+    options = {k: v for k, v in step_options.items() if k not in PLANNER_OPTIONS}
     strategy = options.get("strategy", model.distribute_strategy)
     reduction = options.get("reduction", objective_lib.reduction_of(model.loss))
     planned = PlannedTrainStep(  # validates every option now

@@ -154,10 +154,12 @@ def clipped_gradients(
             with taps.recording(tape) as recorder:
                 y_pred, pending = forward(batch, sums.pending, facts, hook=recorder.hook)
             per_example = forward.objective.per_example(y, y_pred, sample_weight)
-        norms = _first_pass(recorder, per_example, scale)
+        norms = recorder.norms(per_example, scale)
         factors = tf.where(norms > bound, bound / norms, tf.ones_like(norms))
+        # A non-finite norm (float16 overflow) stays non-finite in the gradient: the step is skipped.
+        factors = tf.where(tf.math.is_finite(norms), factors, norms)
         rows = tf.cast(tf.shape(per_example)[0], tf.float32)
-        grads = _second_pass(tape, per_example, variables, factors * multiplier(rows), tf.math.is_finite(norms))
+        grads = dense(tape.gradient(per_example, variables, output_gradients=factors * multiplier(rows)))
         del tape
         sums = Sums(sums.total + tf.reduce_sum(per_example), sums.normalizer + rows, pending, _sized(sums.noise, rows))
         if on_gradients is not None:
@@ -165,37 +167,6 @@ def clipped_gradients(
         return grads, sums
 
     return differentiate
-
-
-# Each backward pass runs in a tf.cond branch. In one graph, work of the second pass that
-# depends only on forward values ran early, next to the first pass, and its results waited
-# for the second: measured on 16 Dense 1024 GELU layers, batch 1024, 452 MiB added by the
-# step against 260 for the plain step; with the second pass alone in a branch 328 (a branch
-# holds what it reads until it ends), with both 272. The predicates depend on data, so
-# they are never folded away; their other branches only run for a step that is skipped.
-
-
-def _first_pass(recorder, per_example, scale) -> tf.Tensor:
-    """``[batch]`` per-example norms (NaN where the loss is not finite: the step is skipped)."""
-    nan = tf.fill(tf.shape(per_example), float("nan"))
-    finite = tf.reduce_all(tf.math.is_finite(per_example))
-    return tf.cond(finite, lambda: recorder.norms(per_example, scale), lambda: nan)
-
-
-def _second_pass(tape, target, variables, seed, finite) -> list:
-    """``d(sum_i seed_i * target_i) / d variables`` (None where not connected; NaN if a norm is not finite)."""
-    connected = []
-
-    def gradients():
-        grads = dense(tape.gradient(target, variables, output_gradients=seed))
-        connected[:] = [g is not None for g in grads]
-        return [tf.zeros(v.shape) if g is None else tf.cast(g, tf.float32) for v, g in zip(variables, grads)]
-
-    def skipped():
-        return [tf.fill(v.shape, float("nan")) for v in variables]
-
-    grads = tf.cond(tf.reduce_all(finite), gradients, skipped)
-    return [g if c else None for g, c in zip(grads, connected)]
 
 
 def _sized(noise: dict, size) -> dict:

@@ -15,8 +15,8 @@ from effgrad.train import objective
 
 __all__ = ["StepOptions", "PLANNER_OPTIONS"]
 
-# Options that ask for a plan (effgrad.plan) instead of naming the configuration.
-PLANNER_OPTIONS = ("memory_budget", "margin")
+# Options of a planned step (micro_batches="auto"): effgrad.plan's, not the step's.
+PLANNER_OPTIONS = ("micro_batches", "memory_budget", "margin", "verbose")
 
 
 def _positive_number(value, name: str, *, allow_zero: bool = False) -> float:

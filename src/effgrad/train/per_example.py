@@ -412,6 +412,34 @@ class NormTaps:
         return original(*args, **kwargs), _Generic(layer, own, args, kwargs), None
 
 
+def _after_the_gradient(activation):
+    """``activation`` whose derivative is computed only once the upstream gradient exists.
+
+    TensorFlow orders some derivatives after the upstream gradient by a control dependency
+    alone (``Erf``'s, in exact GELU), which Grappler's dependency optimizer removes: with two
+    backward passes over one forward pass, the second pass's derivatives then run right
+    after the forward pass and wait for it, three activation-sized tensors per layer
+    (measured: 192 MiB on 16 Dense 1024 GELU layers at batch 1024; 377 MiB on BERT-tiny at
+    batch 256). Here the derivative is taken at ``z + 0 * g[0]``, a data dependency on the
+    upstream gradient ``g`` that no optimizer removes (``0 * x`` is not folded for floats:
+    x may be inf). Same values, same forward pass.
+    """
+
+    @tf.custom_gradient
+    def apply(z):
+        def grad(g):
+            anchor = tf.reshape(g, [-1])[:1] * 0
+            with tf.GradientTape() as tape:
+                at = z + tf.cast(anchor, z.dtype)
+                tape.watch(at)
+                y = activation(at)
+            return tape.gradient(y, at, output_gradients=g)
+
+        return activation(z), grad
+
+    return apply
+
+
 def _patches_apply(layer, x) -> bool:
     """A Conv1D/Conv2D whose per-example gradient is a Dense's on the input patches."""
     conv1d = isinstance(layer, keras.layers.Conv1D) and type(layer).call is keras.layers.Conv1D.call
@@ -468,7 +496,7 @@ class Recorder:
             out = self._tap(z, use)
             mask = _compat.get_keras_mask(z)
             if after is not None:
-                out = after(out)
+                out = _after_the_gradient(after)(out)
             if mask is not None:
                 _compat.set_keras_mask(out, mask)
             return out

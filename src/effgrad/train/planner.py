@@ -247,10 +247,15 @@ class _Planner:
             and not getattr(optimizer, "global_clipnorm", None)
             and not getattr(optimizer, "compact_dtype", None)
         )
-        # A clone of the optimizer, built now: its state is counted from shapes, the caller's is never used.
-        with self.strategy.scope():
-            self.optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-            self.optimizer.build(model.trainable_variables)
+        # The caller's optimizer when it is built (its state is restored after each family: no
+        # second copy of it on the device), else a clone, dropped with the planner.
+        inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+        if inner.built:
+            self.optimizer = optimizer
+        else:
+            with self.strategy.scope():
+                self.optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+                self.optimizer.build(model.trainable_variables)
         trained = model.trainable_variables
         self.weights_bytes = _bytes(model.variables)
         self.state_bytes = _bytes(self.optimizer.variables)
@@ -261,6 +266,8 @@ class _Planner:
         # those of a LossScale object the caller passed (its scale and growth counter).
         scale = options.get("loss_scale")
         self.state = [*model.variables, *(scale.variables if isinstance(scale, tf.Module) else ())]
+        if self.optimizer is optimizer:
+            self.state += list(optimizer.variables)  # its slots and iterations, on the host meanwhile
         self.snapshot = [v.numpy() for v in self.state]
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
@@ -297,9 +304,13 @@ class _Planner:
         return self._checkpointed[segments]
 
     def _step(self, micro_batches: int, segments: int | None, fused: bool) -> TrainStep:
-        """The family's one step: micro-batched ones share a trace whatever their number."""
+        """The family's one step: micro-batched ones share a trace whatever their number.
+
+        Only one family's step is kept: another's accumulators would sit on the device meanwhile.
+        """
         family = (micro_batches > 1, segments, fused)
         if family not in self.steps:
+            self.steps.clear()
             options = {**self.options, "micro_batches": max(micro_batches, 1), "strategy": self.strategy}
             if micro_batches == 1:
                 options["fused_update"] = fused
@@ -391,30 +402,36 @@ class _Planner:
         return int(peak)
 
     def explore(self, segments: int | None, most: int = 3) -> None:
-        """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit."""
+        """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
+
+        The micro-batched family first (its line is measured on the same trace), then one micro-batch.
+        """
         line = self.line(segments)
         if line is None:
             return
-        measured = 0
-        for k in [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]:
-            variants = [False, True] if k == 1 and self.can_fuse else [False]
-            for fused in variants:
-                c = self.candidate(k, segments, fused)
-                c.predicted_bytes = self.predict(line, k, fused)
-                if c.measured_bytes is not None:
-                    continue
-                # The one-micro-batch step is the fastest and its prediction the least sure (gathered
-                # gradients): it is tried up to the measured limit, the others within the margin.
-                allowed = (1 - (self.margin / 2 if k == 1 else self.margin)) * self.budget
-                if c.predicted_bytes > allowed:
-                    c.fits, c.note = False, "predicted over budget"
-                elif fused and self.candidate(1, segments).fits:
-                    c.note = "not measured: the gathered step fits and is faster"
-                elif measured < most:
-                    self.measure(k, segments, fused)
-                    measured += 1
-                else:
-                    c.note = "not measured: fewer micro-batches fit"
+        choices = [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]
+        for k in choices:
+            for fused in [False, True] if k == 1 and self.can_fuse else [False]:
+                self.candidate(k, segments, fused).predicted_bytes = self.predict(line, k, fused)
+        # The one-micro-batch step is the fastest and its prediction the least sure (gathered gradients):
+        # it is tried up to the measured limit, the others within the margin.
+        allowed = {k: (1 - (self.margin / 2 if k == 1 else self.margin)) * self.budget for k in choices}
+        fitting = [c for c in self.candidates.values() if c.segments == segments and c.measured_bytes is None
+                   and c.predicted_bytes is not None and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
+        plain = [c for c in fitting if c.micro_batches == 1]
+        micro = sorted((c for c in fitting if c.micro_batches > 1), key=lambda c: c.micro_batches)
+        for c in micro[: max(most - len(plain), 1)]:
+            self.measure(c.micro_batches, segments)
+        for c in sorted(plain, key=lambda c: c.fused_update):
+            if c.fused_update and self.candidate(1, segments).fits:
+                c.note = "not measured: the gathered step fits and is faster"
+            else:
+                self.measure(1, segments, c.fused_update)
+        for c in self.candidates.values():
+            if c.segments == segments and c.measured_bytes is None and not c.note:
+                over = c.predicted_bytes is not None and c.predicted_bytes > allowed.get(c.micro_batches, 0)
+                c.fits = False if over else c.fits
+                c.note = "predicted over budget" if over else "not measured: fewer micro-batches fit"
 
     def best(self) -> Candidate | None:
         """The simplest fitting configuration (fewest micro-batches, no recompute) within 10% of the fastest.
