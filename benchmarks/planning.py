@@ -122,7 +122,11 @@ def child(config: dict) -> dict:
         k *= 2
     search_s = time.perf_counter() - start
     # Predictions made before measuring: every candidate the plan measured and had predicted.
-    errors = [c.predicted_bytes / c.measured_bytes - 1 for c in plan.table if c.predicted_bytes and c.measured_bytes]
+    errors = [
+        c.predicted_bytes / c.measured_bytes - 1
+        for c in plan.table
+        if c.predicted_bytes and c.measured_bytes and not c.line
+    ]
     fitting = [c.seconds for c in plan.table if c.fits and c.seconds]
     return {
         "chosen": f"k={plan.micro_batches}, seg={plan.segments or '-'}" + (", fused" if plan.fused_update else ""),

@@ -96,20 +96,21 @@ def test_clipping_acts_on_the_reduced_gradient(strategy):
 @pytest.mark.parametrize("micro_batches", [1, 4])
 def test_one_cross_replica_reduction_per_step(strategy, rng, monkeypatch, micro_batches):
     calls = []
-    original = tf.distribute.ReplicaContext.all_reduce
+    extended = type(strategy.extended)
+    original = extended.batch_reduce_to
 
-    def counting(self, reduce_op, value, options=None):
-        calls.append(len(tf.nest.flatten(value)))
-        return original(self, reduce_op, value, options)
+    def counting(self, reduce_op, value_destination_pairs, options=None):
+        calls.append(len(value_destination_pairs))
+        return original(self, reduce_op, value_destination_pairs, options)
 
-    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counting)
+    monkeypatch.setattr(extended, "batch_reduce_to", counting)
     with strategy.scope():
         model, opt = mlp(), keras.optimizers.Adam(0.1)
     step = effgrad.build_train_step(model, "mse", opt, micro_batches=micro_batches, strategy=strategy)
     step(rng.normal(size=(16, 5)).astype("float32"), rng.normal(size=(16, 3)).astype("float32"))
-    # Traced once per replica: one all_reduce call each, carrying every
-    # gradient plus the two loss sums in one batch.
-    assert calls == [len(model.trainable_variables) + 2] * strategy.num_replicas_in_sync
+    # One batched reduction for all replicas (in the cross-replica merge), carrying every
+    # gradient plus the two loss sums.
+    assert calls == [len(model.trainable_variables) + 2]
 
 
 def test_distributed_saliency_equals_single_device(strategy, rng):

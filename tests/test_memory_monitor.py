@@ -92,3 +92,26 @@ def test_plot_history(tmp_path):
     history, _ = _fit(model, [effgrad.MemoryMonitor()], epochs=2)
     effgrad.diagnostics.plot_history(history, path=tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("monitor_first", [True, False])
+def test_attach_monitor_and_checkpoint_model_compose_in_either_order(rng, monitor_first):
+    """effgrad's hooks on a model chain (attach innermost, the monitor around it) whatever the order,
+    and a recompile (a re-attach) keeps the monitor."""
+    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="relu") for _ in range(4)]
+                            + [keras.layers.Dense(1)])  # fmt: skip
+    model = effgrad.checkpoint_model(base, segments=2)
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = effgrad.MemoryMonitor()
+    if monitor_first:
+        monitor.set_model(model)
+    effgrad.attach(model, micro_batches=2)
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor])
+    assert history.history["train_traces"][-1] >= 1  # the monitor counted the attached step's traces
+    assert model.effgrad_step.micro_batches == 2
+    model.compile(optimizer="adam", loss="mae")  # attach follows the recompile...
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    assert history.history["train_traces"][-1] >= 2  # ...and the monitor still counts
+    assert isinstance(model.effgrad_step.optimizer, keras.optimizers.Adam)

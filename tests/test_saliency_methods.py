@@ -137,7 +137,7 @@ def test_several_points_per_pass_give_the_same_maps(data, method, options):
     for per_pass in (2, 3, 7):  # 7 > samples: clamped; 2, 3: a padded last pass
         many = effgrad.saliency(model, data, method=method, batch_size=5, progress=False, **options, **{key: per_pass})
         np.testing.assert_allclose(many, one, rtol=1e-5, atol=1e-6, err_msg=f"{key}={per_pass}")
-    jobs = list(model._effgrad_saliency_jobs.values())
+    jobs = list(effgrad._compat.model_state(model)["saliency_jobs"].values())
     clamped = 7 if key == "steps_per_pass" else 5  # at most steps + 1 points, at most samples
     assert sorted(job.method.options[key] for job in jobs) == [1, 2, 3, clamped]  # each its own job
 
@@ -259,7 +259,7 @@ def test_no_reference_to_the_model_is_kept_and_jobs_are_bounded(data):
     model = _cnn()
     for i in range(10):  # a new callable target per call: a new compiled job each time
         effgrad.saliency(model, data, target=lambda out, i=i: out[:, i % 4], progress=False)
-    assert len(model._effgrad_saliency_jobs) <= 4
+    assert len(effgrad._compat.model_state(model)["saliency_jobs"]) <= 4
     alive = weakref.ref(model)
     del model
     gc.collect()

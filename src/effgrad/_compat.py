@@ -26,11 +26,21 @@ __all__ = [
     "get_keras_mask",
     "get_stateless_scope",
     "gradients_already_reduced",
+    "built_for",
+    "call_arguments",
     "flatten_layers",
+    "hook_method",
     "in_xla_context",
+    "inbound_nodes",
     "intercepted_call",
+    "learning_rate",
+    "loss_tracker",
+    "mmap_of",
+    "model_state",
     "own_variables",
     "plain_convolution",
+    "producer",
+    "set_learning_rate",
     "optimization_barrier",
     "recording_compiled_loss",
     "set_compiled_optimizer",
@@ -79,6 +89,13 @@ except ImportError as _err:  # pragma: no cover
     raise _missing("keras.src.layers.convolutional.base_conv.BaseConv", _err) from _err
 if not hasattr(keras.layers.Layer, "_flatten_layers"):  # pragma: no cover
     raise _missing("keras Layer._flatten_layers", AttributeError("not found"))
+# (Checked on the class, not an instance: an optimizer would start TensorFlow's context at import.)
+if not any(
+    "_learning_rate" in getattr(getattr(cls, "__init__", None), "__code__", compile("", "", "exec")).co_names
+    for cls in keras.optimizers.Optimizer.__mro__
+):  # pragma: no cover
+    raise _missing("keras Optimizer._learning_rate", AttributeError("not found"))
+
 
 try:
     # compile()'s loss: its per-output terms (path, loss, loss_weights, name).
@@ -246,8 +263,14 @@ def functional_graph(model):
 
 
 def flatten_layers(model) -> list:
-    """``model`` and every layer nested in it, each once (Keras's own walk over sublayers)."""
-    return list(model._flatten_layers(include_self=True, recursive=True))
+    """``model`` and every layer nested in it, each once (Keras's own walk over sublayers); ``[op]`` for an op."""
+    walk = getattr(model, "_flatten_layers", None)
+    return [model] if walk is None else list(walk(include_self=True, recursive=True))
+
+
+def built_for(optimizer) -> list:
+    """The variables a built Keras optimizer keeps state for, in its order."""
+    return list(optimizer._trainable_variables)
 
 
 def own_variables(layer) -> list:
@@ -298,3 +321,86 @@ def intercepted_call(layer, replacement):
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", own)
+
+
+def producer(tensor):
+    """``(layer, node)`` that produced a symbolic Keras tensor of a functional model."""
+    layer, node_index, _ = tensor._keras_history
+    return layer, layer._inbound_nodes[node_index]
+
+
+def inbound_nodes(layer) -> list:
+    """Every call of ``layer`` recorded in functional models (one per graph it is used in)."""
+    return list(getattr(layer, "_inbound_nodes", []))
+
+
+def call_arguments(node, values: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a recorded layer call with its symbolic inputs replaced by ``values``."""
+    return node.arguments.fill_in(values)
+
+
+def loss_tracker(model):
+    """Keras's metric of the epoch-mean ``loss`` in ``fit``'s logs, or None."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def learning_rate(optimizer):
+    """The optimizer's learning rate as given: a number, a variable, a schedule or a callable."""
+    return optimizer._learning_rate
+
+
+def set_learning_rate(optimizer, rate) -> None:
+    """Gives ``optimizer`` the very object ``rate`` (a schedule or callable is kept, not copied)."""
+    optimizer._learning_rate = rate
+
+
+def mmap_of(array):
+    """The ``mmap`` under a ``np.memmap`` (to release its pages), or None: then nothing is released.
+
+    An instance attribute (no class-level check at import): a NumPy without it
+    only stops effgrad from handing read pages back to the OS early.
+    """
+    return getattr(array, "_mmap", None)
+
+
+# ------------------------------------------------- effgrad's state on a model
+_STATE = "_effgrad"  # the one attribute effgrad sets on a user's model
+
+
+def model_state(model) -> dict:
+    """effgrad's record on ``model`` (method hooks, saliency job caches), made on first use.
+
+    One instance attribute, set with ``object.__setattr__`` so Keras neither
+    tracks nor saves it; it lives and dies with the model (effgrad keeps no
+    reference to a model anywhere else).
+    """
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        state = {}
+        object.__setattr__(model, _STATE, state)
+    return state
+
+
+def hook_method(model, name: str, key: str, wrap, order: int) -> None:
+    """Makes ``model.<name>`` the class's method wrapped by every effgrad hook on it.
+
+    ``wrap(inner) -> method`` receives the method below it; hooks apply in
+    ``order`` (lower first, nearest the class's method), whatever order they
+    were installed in; installing again under the same ``key`` replaces that
+    hook. So ``attach`` (which replaces ``train_step``: order 0) and
+    ``MemoryMonitor`` (which counts the traces of whatever ``train_step``
+    is: order 10) compose in either order, and a re-``attach`` keeps the
+    monitor. ``wrap=None`` removes the hook.
+    """
+    hooks = model_state(model).setdefault("hooks", {}).setdefault(name, {})
+    if wrap is None:
+        hooks.pop(key, None)
+    else:
+        hooks[key] = (order, wrap)
+    method = getattr(type(model), name).__get__(model)
+    for _, hook in sorted(hooks.values(), key=lambda entry: entry[0]):
+        method = hook(method)
+    if hooks:
+        object.__setattr__(model, name, method)
+    else:
+        model.__dict__.pop(name, None)

@@ -27,7 +27,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from effgrad import memory
+from effgrad import _compat, memory
 
 __all__ = ["MemoryMonitor", "host_rss_mib", "plot_history"]
 
@@ -86,20 +86,23 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._graphs: set[int] = set()  # graphs the train step was traced into
 
     def set_model(self, model):
-        """Wraps ``model.train_step`` to count traces (fit calls this before it builds the train function)."""
+        """Wraps ``model.train_step`` to count traces (fit calls this before it builds the train function).
+
+        An effgrad hook (``_compat.hook_method``) outside any ``attach``: the two compose in
+        either order, and a re-``attach`` keeps the count.
+        """
         super().set_model(model)
-        step = model.train_step
-        if getattr(step, "effgrad_monitor", None) is self:
-            return
         graphs = self._graphs
 
-        def train_step(data):
-            if not tf.executing_eagerly():  # Python runs here only while a graph is traced
-                graphs.add(id(tf.compat.v1.get_default_graph()))  # replicas of one trace share a graph
-            return step(data)
+        def counting(inner):
+            def train_step(data):
+                if not tf.executing_eagerly():  # Python runs here only while a graph is traced
+                    graphs.add(id(tf.compat.v1.get_default_graph()))  # replicas of one trace share a graph
+                return inner(data)
 
-        train_step.effgrad_monitor = self
-        model.train_step = train_step
+            return train_step
+
+        _compat.hook_method(model, "train_step", "monitor", counting, order=10)
         model.train_function = None  # rebuilt around the counting step
 
     def _info(self) -> dict | None:

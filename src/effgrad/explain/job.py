@@ -17,7 +17,7 @@ import collections
 
 import tensorflow as tf
 
-from effgrad import distribute
+from effgrad import _compat, distribute
 from effgrad.explain import reductions
 from effgrad.explain.targets import Target, TargetMode, score_function
 
@@ -27,7 +27,6 @@ __all__ = ["SaliencyJob", "cached_job"]
 # effgrad itself keeps no reference, so a model and its jobs are freed
 # together. A few per model, most recent first: a new lambda target per call
 # must not grow memory without bound.
-_JOBS_ATTRIBUTE = "_effgrad_saliency_jobs"
 _JOBS_PER_MODEL = 4
 
 
@@ -87,10 +86,7 @@ class SaliencyJob:
 
 def cached_job(model, key, make) -> SaliencyJob:
     """The job cached on ``model`` under ``key``, made by ``make()`` if missing."""
-    jobs = getattr(model, _JOBS_ATTRIBUTE, None)
-    if jobs is None:
-        jobs = collections.OrderedDict()
-        object.__setattr__(model, _JOBS_ATTRIBUTE, jobs)
+    jobs = _compat.model_state(model).setdefault("saliency_jobs", collections.OrderedDict())
     if key in jobs:
         jobs.move_to_end(key)
     else:

@@ -98,7 +98,9 @@ def release_rows(array: np.ndarray, stop_row: int) -> None:
         revert them to the file's contents (the caller's edits to inputs,
         effgrad's maps in an output buffer).
     """
-    handle = getattr(array, "_mmap", None)
+    from effgrad._compat import mmap_of  # here, not at import: the sinks load without TensorFlow
+
+    handle = mmap_of(array)
     if handle is None or not hasattr(handle, "madvise") or not array.flags.c_contiguous or stop_row <= 0:
         return
     if getattr(array, "mode", "c") not in ("r", "r+", "w+"):  # shared mappings only

@@ -281,7 +281,7 @@ def _check_chain(layers) -> None:
     """Refuses a layer list that was not called as a chain (``resnet.layers``, extra tensor inputs)."""
     previous = None
     for layer in layers:
-        nodes = getattr(layer, "_inbound_nodes", [])
+        nodes = _compat.inbound_nodes(layer)
         if not nodes:
             return  # never called: nothing recorded to check
         inputs = nodes[0].input_tensors
@@ -444,7 +444,7 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
     bounds = [0] + [end + 1 for end in ends] + [len(g.nodes)]
 
     def fresh_input(t):
-        layer = t._keras_history.operation
+        layer, _ = _compat.producer(t)
         return keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=layer.name)
 
     new_inputs = keras.tree.map_structure(fresh_input, inputs_struct)

@@ -84,14 +84,14 @@ class Graph:
         inputs, outputs = self.segment_io(start, stop)
 
         def fresh(i, t):
-            layer = t._keras_history.operation
+            layer, _ = _compat.producer(t)
             label = layer.name if isinstance(layer, keras.layers.InputLayer) else f"{layer.name}_output_{i}"
             return keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse, name=label)
 
         values = {id(t): fresh(i, t) for i, t in enumerate(inputs)}
         block_inputs = [values[id(t)] for t in inputs]
         for node in self.nodes[start:stop]:
-            args, kwargs = node.arguments.fill_in(values)
+            args, kwargs = _compat.call_arguments(node, values)
             results = keras.tree.flatten(node.operation(*args, **kwargs))
             values.update((id(t), r) for t, r in zip(node.output_tensors, results))
         return keras.Model(block_inputs, [values[id(t)] for t in outputs], name=name), inputs, outputs
@@ -120,8 +120,7 @@ def _size(node, unknown: int = 1) -> int:
     layers the call runs: a transformer layer keeps far more than its output.
     """
     out = sum(math.prod(unknown if d is None else d for d in t.shape[1:]) for t in node.output_tensors)
-    inner = getattr(node.operation, "_flatten_layers", None)
-    return out * max(1, len(list(inner(include_self=False))) if inner else 1)
+    return out * max(1, len(_compat.flatten_layers(node.operation)) - 1)
 
 
 def layer_graph(model: keras.Model) -> Graph:

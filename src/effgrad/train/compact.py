@@ -54,7 +54,7 @@ import math
 import keras
 import tensorflow as tf
 
-from effgrad import _checks
+from effgrad import _checks, _compat
 
 DTYPES = ("int8", "bfloat16")
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
@@ -316,7 +316,7 @@ class _CompactState:
         which backprop produces gradients (``fused_update`` updates each as
         its gradient arrives).
         """
-        variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
+        variables = _compat.built_for(self) if trainable_variables is None else list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name):
                 self.build(variables)  # in the model's order: saved state lines up with the model's
@@ -487,10 +487,10 @@ def compact_state(
             f"{type(optimizer).__name__} has already built its float32 state; call compact_state on a "
             "new optimizer, before the first step (model.compile(optimizer=effgrad.compact_state(...)))."
         )
-    schedule = optimizer._learning_rate
+    schedule = _compat.learning_rate(optimizer)
     compact = _CLASSES[type(optimizer)].from_config(
         {**optimizer.get_config(), "compact_dtype": dtype, "block_size": block_size, "min_size": min_size}
     )
     if not isinstance(schedule, keras.Variable):
-        compact._learning_rate = schedule  # the caller's schedule or callable itself, not a copy
+        _compat.set_learning_rate(compact, schedule)  # the caller's schedule or callable itself, not a copy
     return compact

@@ -20,6 +20,8 @@ attaches again with the new loss, optimizer and metrics and the same options.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -114,7 +116,7 @@ def _attach(model, given: dict, forward) -> keras.Model:
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs = step.replica_step(x, y, sample_weight)
-        tracker = getattr(model, "_loss_tracker", None)  # Keras's epoch-mean "loss"
+        tracker = _compat.loss_tracker(model)  # Keras's epoch-mean "loss"
         if tracker is not None:
             tracker.update_state(logs["loss"], sample_weight=accumulate.batch_size(x))
         results = dict(model.get_metrics_result())
@@ -125,16 +127,14 @@ def _attach(model, given: dict, forward) -> keras.Model:
         results.update({k: v for k, v in logs.items() if k.startswith("noise_scale")})
         return results
 
-    original_make_train_function = type(model).make_train_function
-
-    def make_train_function(force=False):
+    def make_train_function(inner, force=False):
         if _compat.compile_state(model) is not compiled_with:
             # compile() was called again: train the new configuration, never the old one.
             _attach(model, given, forward)
             return model.make_train_function(force=True)
         if model.train_function is not None and not force:
             return model.train_function
-        original_make_train_function(model, force=True)  # sets model.train_function
+        inner(force=True)  # Keras's: sets model.train_function
         compiled = model.train_function
 
         def train_function(iterator):
@@ -145,28 +145,32 @@ def _attach(model, given: dict, forward) -> keras.Model:
         model.train_function = train_function
         return train_function
 
-    model.train_step = train_step
-    model.make_train_function = make_train_function
+    # effgrad's hooks on the instance (_compat.hook_method): the step replaces Keras's train_step
+    # innermost, so a MemoryMonitor (or another wrapper) stays around it through a re-attach.
+    _compat.hook_method(model, "train_step", "attach", lambda inner: train_step, order=0)
+    _compat.hook_method(
+        model, "make_train_function", "attach", lambda inner: functools.partial(make_train_function, inner), order=0
+    )
+    _compat.hook_method(model, "fit", "attach", _telling_rows_at_fit(model), order=0)
     model.effgrad_step = step
     model.train_function = None  # rebuilt by the next fit()
-    _tell_rows_at_fit(model)
     return model
 
 
-def _tell_rows_at_fit(model) -> None:
+def _telling_rows_at_fit(model):
     """``fused_update="auto"`` weighs gradients against the activations of a batch, whose size the
     step fit traces does not know (its batch dimension is None): fit tells it before the first trace."""
-    if "fit" in vars(model):  # a planned attach waiting for its fit, or already told
-        return
-    original_fit = type(model).fit
 
-    def fit(x=None, y=None, batch_size=None, *args, **kwargs):
-        step = model.effgrad_step
-        if step.fused is None and step.batch_hint is None:
-            step.batch_hint = _first_batch_shape(x, batch_size)
-        return original_fit(model, x, y, batch_size, *args, **kwargs)
+    def wrap(inner):
+        def fit(x=None, y=None, batch_size=None, *args, **kwargs):
+            step = model.effgrad_step
+            if step.fused is None and step.batch_hint is None:
+                step.batch_hint = _first_batch_shape(x, batch_size)
+            return inner(x, y, batch_size, *args, **kwargs)
 
-    model.fit = fit
+        return fit
+
+    return wrap
 
 
 def _first_batch_shape(x, batch_size) -> tuple[int, int] | None:
@@ -207,18 +211,22 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
     options = {k: v for k, v in step_options.items() if k not in PLANNER_OPTIONS}
     strategy = options.get("strategy", model.distribute_strategy)
     reduction = options.get("reduction", objective_lib.reduction_of(model.loss))
-    planned = PlannedTrainStep(  # validates every option now
-        model, model.loss, model.optimizer, **{**step_options, "strategy": strategy, "reduction": reduction}
-    )
-    original_fit = type(model).fit
+    planning = {**step_options, "strategy": strategy, "reduction": reduction}
+    if _compat.has_compiled_metrics(model):
+        # The attached step will not fuse the loss (metrics read the logits): plan the step it will run.
+        planning["fused_loss"] = False
+    planned = PlannedTrainStep(model, model.loss, model.optimizer, **planning)  # validates every option now
 
-    def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
-        plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
-        _attach(model, {**options, **plan.step_options}, plan.model)
-        model.effgrad_plan = plan
-        del model.fit  # planned once: later fits train with this configuration
-        return original_fit(model, x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
+    def planning(inner):
+        def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
+            plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
+            _compat.hook_method(model, "fit", "plan", None, order=1)  # planned once: later fits train with it
+            _attach(model, {**options, **plan.step_options}, plan.model)
+            model.effgrad_plan = plan
+            return model.fit(x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
 
-    model.fit = fit
+        return fit
+
+    _compat.hook_method(model, "fit", "plan", planning, order=1)
     model.effgrad_plan = None
     return model

@@ -308,8 +308,7 @@ def find_head(model) -> Head | str:
     outputs = keras.tree.flatten(outputs)
     if len(outputs) != 1:
         return f"the model has {len(outputs)} outputs"
-    layer, node_index, _ = outputs[0]._keras_history
-    node = layer._inbound_nodes[node_index]
+    layer, node = _compat.producer(outputs[0])
     if isinstance(layer, keras.layers.Dense):
         if layer.activation not in (None, keras.activations.linear) or getattr(layer, "lora_enabled", False):
             return f"its last layer {layer.name!r} applies an activation (the loss needs the logits)"

@@ -272,8 +272,9 @@ class DynamicLossScale(LossScale):
 
 def computes_in_float16(model) -> bool:
     """True when any layer of ``model`` computes in float16 (``mixed_float16``)."""
-    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else [model]
-    return any(getattr(layer, "compute_dtype", None) == "float16" for layer in layers)
+    from effgrad import _compat
+
+    return any(getattr(layer, "compute_dtype", None) == "float16" for layer in _compat.flatten_layers(model))
 
 
 def is_dynamic(loss_scale, model=None) -> bool:

@@ -43,6 +43,7 @@ Trap:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import re
@@ -63,9 +64,9 @@ __all__ = ["MemoryPlan", "Candidate", "PlannedTrainStep", "plan", "parse_budget"
 # Checkpointing is tried only when micro-batching alone needs this many
 # micro-batches: it recomputes the forward pass (1.2-1.4x step time measured
 # in benchmarks/checkpoint_model), and every family costs a trace.
-_CHECKPOINT_FROM = 4
+_CHECKPOINT_FROM = 8
 # Measured step times within this factor of the fastest count as equally fast.
-_SAME_SPEED = 1.1
+_SAME_SPEED = 1.05
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _MIB = 2**20
 
@@ -137,6 +138,7 @@ class Candidate:
     seconds: float | None = None
     fits: bool | None = None
     note: str = ""  # why it was not chosen
+    line: bool = False  # measured to fit the model's line (its prediction came after)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -319,7 +321,9 @@ class _Planner:
         step.micro_batches = micro_batches
         return step
 
-    def measure(self, micro_batches: int, segments: int | None = None, fused: bool = False) -> Candidate:
+    def measure(
+        self, micro_batches: int, segments: int | None = None, fused: bool = False, calls: int = 3
+    ) -> Candidate:
         candidate = self.candidate(micro_batches, segments, fused)
         if candidate.measured_bytes is not None or candidate.note == "out of memory":
             return candidate
@@ -328,9 +332,10 @@ class _Planner:
             run = lambda: step(self.x, self.y, self.sample_weight)["loss"]  # noqa: E731
             run()  # traces (once per family), creates the accumulators
             # The peak varies from call to call with how the executor's threads interleave frees
-            # and allocations: the largest of three calls, and the fastest of their times.
+            # and allocations: the largest of three calls (two for the line's points), and the
+            # fastest of their times.
             reports, times = [], []
-            for _ in range(3):
+            for _ in range(calls):
                 start = time.perf_counter()
                 reports.append(memory.measure(run))
                 times.append(time.perf_counter() - start)
@@ -367,6 +372,16 @@ class _Planner:
         for variable, value in zip(self.state, self.snapshot):
             variable.assign(value)
 
+    def release(self) -> None:
+        """Drops what planning made on the device (steps, their accumulators, an optimizer clone).
+
+        A traced step and its functions refer to each other: only a collection frees them, and
+        training (the budget holds at fit level) should not start next to them.
+        """
+        self.steps.clear()
+        self.optimizer = None
+        gc.collect()
+
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:
         """``(fixed, per_row)`` of the micro-batched family from two safe measurements.
@@ -379,7 +394,8 @@ class _Planner:
         points = []
         for r in rows:
             k = max(2, math.ceil(self.batch / r))
-            c = self.measure(k, segments)
+            self.candidate(k, segments).line = True
+            c = self.measure(k, segments, calls=2)
             if c.measured_bytes is None:
                 return None
             points.append((_rows(self.batch, k), c.measured_bytes))
@@ -550,6 +566,7 @@ def plan(
             best = planner.best()
     finally:
         planner.restore()
+        planner.release()
     table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
     if best is None:
         measured = [c for c in table if c.measured_bytes is not None]

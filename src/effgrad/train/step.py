@@ -13,7 +13,7 @@ Per replica, inside one ``tf.function``::
         forward: y_pred, state writes held back               (flows.Forward)
         differentiate S * sum(w_i * l_i) / B_local             (flows: a tape; DP: two passes, clipped)
         add each gradient into its float32 accumulator as backprop makes it   (accumulate)
-    raw, sum(w*l), sum(w) = all_reduce(SUM, ...)               # the step's ONE cross-replica reduction
+    raw, sum(w*l), sum(w) = sum across replicas                 # the step's ONE cross-replica reduction
     update: g = raw * B_local / (S * sum(w)) [+ noise] + d(regularization)/dθ, clipped   (update.Update)
     if every raw sum is finite and sum(w) > 0: optimizer.apply(g); commit the state writes
     loss_scale.update(finite)
@@ -413,8 +413,8 @@ class TrainStep:
         local_rows = gradients.local_rows
         if several:
             raw = [g * local_rows for g in raw]
-        raw, total, normalizer, noise = ctx.all_reduce(
-            tf.distribute.ReduceOp.SUM, (raw, gradients.total, gradients.normalizer, gradients.noise)
+        raw, total, normalizer, noise = distribute.sum_across_replicas(
+            ctx, (raw, gradients.total, gradients.normalizer, gradients.noise)
         )
         step_update = self._update(raw, gradients.reg_grads, connected, local_rows, normalizer, several, micro_batches)
         finite = step_update.finite()
