@@ -209,6 +209,11 @@ def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
     history = ours.fit(x, y, batch_size=8, verbose=0).history
     assert not ours.effgrad_step.fused_loss and "metrics read the logits" in ours.effgrad_step.fused_loss_reason
     assert 0 <= history["sparse_categorical_accuracy"][0] <= 1  # computed on the real logits, never skipped
+    # Empty metric lists (how a keras_hub task drops its default accuracy) read no logits: fused again.
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[], weighted_metrics=[])
+    effgrad.attach(ours, fused_loss=True)
+    ours.fit(x, y, batch_size=8, verbose=0)
+    assert ours.effgrad_step.fused_loss
 
 
 def test_the_model_is_unchanged_it_still_generates_and_saves(rng, tmp_path):

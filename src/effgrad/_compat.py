@@ -106,6 +106,16 @@ if getattr(_CompileLoss, "Loss", None) is None or "_flat_losses" not in _Compile
     raise _missing("keras CompileLoss.Loss / CompileLoss._flat_losses", AttributeError("not found"))  # pragma: no cover
 
 try:
+    # compile()'s metrics: which were given (an empty list reads no predictions).
+    from keras.src.trainers.compile_utils import CompileMetrics as _CompileMetrics
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.trainers.compile_utils.CompileMetrics", _err) from _err
+if not {"_user_metrics", "_user_weighted_metrics"} <= set(_CompileMetrics.build.__code__.co_names):
+    raise _missing(
+        "keras CompileMetrics._user_metrics / _user_weighted_metrics", AttributeError("not found")
+    )  # pragma: no cover
+
+try:
     from keras.src.ops.node import Node as _Node
     from keras.src.ops.symbolic_arguments import SymbolicArguments as _SymbolicArguments
 except ImportError as _err:  # pragma: no cover
@@ -189,8 +199,24 @@ def loss_weights(model):
 
 
 def has_compiled_metrics(model) -> bool:
-    """Whether ``compile`` was given metrics or weighted_metrics (they read ``y_pred``)."""
-    return getattr(model, "_compile_metrics", None) is not None
+    """Whether ``compile`` was given any metric or weighted metric (they read ``y_pred``).
+
+    ``compile(..., weighted_metrics=[])`` (how a keras_hub task model is compiled without its
+    default accuracy) keeps an empty ``CompileMetrics``: it reads nothing.
+    """
+    metrics = getattr(model, "_compile_metrics", None)
+    return metrics is not None and bool(metrics._user_metrics or metrics._user_weighted_metrics)
+
+
+def build_empty_compiled_metrics(model, y) -> None:
+    """Builds an empty ``CompileMetrics`` that no step updates, so Keras's results can read it.
+
+    Keras builds it at its first ``compute_metrics``; a step that computes no
+    metric never calls that, and ``get_metrics_result`` refuses an unbuilt one.
+    """
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built and not has_compiled_metrics(model):
+        metrics.build(y, y)  # no metric: only the structure's length is read
 
 
 @contextlib.contextmanager

@@ -119,6 +119,7 @@ def _attach(model, given: dict, forward) -> keras.Model:
         tracker = _compat.loss_tracker(model)  # Keras's epoch-mean "loss"
         if tracker is not None:
             tracker.update_state(logs["loss"], sample_weight=accumulate.batch_size(x))
+        _compat.build_empty_compiled_metrics(model, y)
         results = dict(model.get_metrics_result())
         results.setdefault("loss", logs["loss"])
         if not isinstance(step.loss_scale, loss_scale_lib.NoLossScale):
