@@ -643,6 +643,12 @@ class PlannedTrainStep:
         """Plans for this batch (once): :attr:`plan`."""
         if self.plan is None:
             options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
+            # The step that follows trains with this optimizer: built now, planning steps it (state
+            # restored after) instead of a clone whose slots would be a second copy on the device.
+            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+            if not inner.built:
+                with (options.get("strategy") or tf.distribute.get_strategy()).scope():
+                    self.optimizer.build(self.model.trainable_variables)
             self.plan = plan(
                 self.model, self.loss, self.optimizer, x, y, budget=self.budget_bytes, sample_weight=sample_weight,
                 margin=self.margin, verbose=self.verbose, **options,
