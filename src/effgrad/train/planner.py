@@ -13,7 +13,7 @@ Algorithm::
                                 backprop) where weights outweigh activations
         checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
                                 recompute fits with fewer than 4 micro-batches
-    keep the fastest MEASURED configuration that fits (the simplest one within 10% of it:
+    keep the fastest MEASURED configuration that fits (the simplest one within 5% of it:
     step times vary between calls)
 
 A configuration is tried only when its prediction is at most ``(1 - margin)``
@@ -22,15 +22,17 @@ of it (``margin`` = 10% by default): half the margin absorbs prediction
 error, half the allocator's run-to-run noise and what ``fit`` adds (the next
 batch its input pipeline prepares).
 
-Each family builds one real :class:`effgrad.TrainStep` with a CLONE of the
-optimizer; a configuration's peak is the resident state counted from shapes
+Each family builds one real :class:`effgrad.TrainStep` with the caller's
+optimizer when it is built (``"auto"`` builds it: training uses it next), else
+with a clone; a configuration's peak is the resident state counted from shapes
 (model variables, optimizer variables, accumulators) plus what a call added
 at its worst on the device allocator (:func:`effgrad.memory.measure`'s
 ``extra_bytes``: the batch, activations, gradients), the largest of three calls:
 independent of whatever else the process allocated before. Planning changes
 nothing: every model variable (weights, BatchNorm statistics, dropout seed
 states) and a ``LossScale`` passed in are copied to the host first and
-restored after each family, and the caller's optimizer is never used.
+restored after each family, and so are the caller's optimizer's slots and
+iterations when it is the one used.
 
 Trap:
     The plan holds for the batch shape it was made with: a larger batch or
