@@ -108,7 +108,7 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     )
     assert max(peaks.values()) <= budget, (peaks, budget, str(planned))
     text = str(planned)
-    assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text and "predicted over" in text
+    assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text and "over budget" in text
 
 
 def test_planned_step_is_still_the_full_batch_update(rng):
