@@ -58,6 +58,7 @@ import numpy as np
 import tensorflow as tf
 
 from effgrad import memory
+from effgrad.train import accumulate
 from effgrad.train.options import StepOptions
 from effgrad.train.step import TrainStep
 
@@ -314,7 +315,7 @@ class _Planner:
         """
         family = (micro_batches > 1, segments, fused)
         if family not in self.steps:
-            self.steps.clear()
+            self._drop_steps()
             options = {**self.options, "micro_batches": max(micro_batches, 1), "strategy": self.strategy}
             if micro_batches == 1:
                 options["fused_update"] = fused
@@ -342,8 +343,8 @@ class _Planner:
                 reports.append(memory.measure(run))
                 times.append(time.perf_counter() - start)
             extra, candidate.seconds = max(r.extra_bytes for r in reports), min(times)
-            accumulators = step._accumulators if micro_batches > 1 else []
-            candidate.measured_bytes = self.weights_bytes + self.state_bytes + _bytes(accumulators) + extra
+            accumulators = self.accumulator_bytes if micro_batches > 1 else 0
+            candidate.measured_bytes = self.weights_bytes + self.state_bytes + accumulators + extra
             candidate.fits = candidate.measured_bytes <= (1 - self.margin / 2) * self.budget
             if not candidate.fits:
                 candidate.note = "over budget (measured)"
@@ -380,9 +381,15 @@ class _Planner:
         A traced step and its functions refer to each other: only a collection frees them, and
         training (the budget holds at fit level) should not start next to them.
         """
-        self.steps.clear()
+        self._drop_steps()
         self.optimizer = None
         gc.collect()
+
+    def _drop_steps(self) -> None:
+        # Emptied now, not at the next collection, and whatever graph TF keeps holds no gradient.
+        for step in self.steps.values():
+            accumulate.free_accumulators(step._accumulators or [])
+        self.steps.clear()
 
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:

@@ -33,6 +33,7 @@ import functools
 import logging
 import secrets
 import warnings
+import weakref
 from typing import NamedTuple
 
 import keras
@@ -199,6 +200,8 @@ class TrainStep:
     def _make_accumulators(self) -> None:
         with self.strategy.scope():
             self._accumulators = accumulate.make_accumulators(self.model.trainable_variables)
+        # Emptied when this step is collected: a graph TF never frees may still hold their handles.
+        weakref.finalize(self, accumulate.free_accumulators, self._accumulators).atexit = False
 
     def _prepare(self, x=None) -> None:
         """Creates every variable the step needs, outside any tf.function."""

@@ -174,7 +174,8 @@ def apply_or_skip(
         if accumulators is not None:
             writes = [acc.assign(g, read_value=False) for acc, g in zip(accumulators, grads)]
             with tf.control_dependencies(writes):
-                grads = [acc.read_value() for acc in accumulators]
+                # Their static shape is open (see make_accumulators): the optimizer gets it back.
+                grads = [tf.ensure_shape(acc.read_value(), v.shape) for acc, v in zip(accumulators, variables)]
         optimizer.apply(grads, variables)
         for (variable, _), value in zip(commit, commit_values):
             variable.assign(value)
