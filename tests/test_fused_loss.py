@@ -192,28 +192,68 @@ def test_auto_does_not_fuse_logits_that_fit_in_one_chunk(rng):
     assert step.fused_loss is False and "(65 x 300) fit in one chunk" in step.fused_loss_reason
 
 
-def test_attach_fuses_without_metrics_and_says_why_not_with_them(rng):
+def test_attach_fuses_with_accuracy_and_top_k_metrics_equal_to_stock_keras(rng):
+    """Compiled accuracy and top-k are computed from the chunks: same history as stock Keras's logits."""
     x, y = rng.normal(size=(16, 12)).astype("float32"), rng.integers(0, 300, 16)
+    w = rng.uniform(0, 1, 16).astype("float32")
     stock, ours = _classifier(), _classifier()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for net in (stock, ours):
-        net.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-    effgrad.attach(ours, fused_loss=True)  # 8 rows: "auto" would not fuse (see the next test)
-    h_stock = stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    h_ours = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        net.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=loss,
+            metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=20, name="top20")],
+            weighted_metrics=["sparse_categorical_accuracy"],
+        )
+    effgrad.attach(ours, fused_loss=True)  # 8 rows: "auto" would not fuse (see the tests above)
+    h_stock = stock.fit(x, y, sample_weight=w, batch_size=8, epochs=3, shuffle=False, verbose=0).history
+    h_ours = ours.fit(x, y, sample_weight=w, batch_size=8, epochs=3, shuffle=False, verbose=0).history
     assert ours.effgrad_step.fused_loss
     assert_variables_close(ours.trainable_variables, stock.trainable_variables, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
-    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["sparse_categorical_accuracy"])
+    assert set(h_ours) == set(h_stock)
+    for name in h_stock:
+        np.testing.assert_allclose(h_ours[name], h_stock[name], rtol=1e-5, err_msg=name)
+    assert max(h_stock["top20"]) > 0  # the metrics saw something to count
+
+
+def test_a_metric_that_reads_the_logits_keeps_the_loss_unfused_and_says_so(rng, monkeypatch):
+    monkeypatch.setattr(effgrad.train.fused_loss, "CHUNK_ELEMENTS", 1000)  # "auto" would fuse these 80 rows
+    x, y = rng.normal(size=(80, 12)).astype("float32"), rng.integers(0, 300, 80)
+    ours = _classifier()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    entropy = keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["accuracy", entropy])
     effgrad.attach(ours)
-    history = ours.fit(x, y, batch_size=8, verbose=0).history
-    assert not ours.effgrad_step.fused_loss and "metrics read the logits" in ours.effgrad_step.fused_loss_reason
-    assert 0 <= history["sparse_categorical_accuracy"][0] <= 1  # computed on the real logits, never skipped
-    # Empty metric lists (how a keras_hub task drops its default accuracy) read no logits: fused again.
-    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[], weighted_metrics=[])
+    with pytest.warns(UserWarning, match="not fused with .*'xent' read the logits"):
+        history = ours.fit(x, y, batch_size=80, verbose=0).history
+    assert not ours.effgrad_step.fused_loss and "'xent' read the logits" in ours.effgrad_step.fused_loss_reason
+    np.testing.assert_allclose(history["xent"], history["loss"], rtol=1e-5)  # computed on the real logits
     effgrad.attach(ours, fused_loss=True)
-    ours.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="fused_loss=True cannot apply: the metrics 'xent' read the logits"):
+        ours.fit(x, y, batch_size=80, verbose=0)
+    # Empty metric lists (how a keras_hub task drops its default accuracy) read no logits: fused.
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[], weighted_metrics=[])
+    effgrad.attach(ours)
+    ours.fit(x, y, batch_size=80, verbose=0)
     assert ours.effgrad_step.fused_loss
+
+
+def test_ranks_count_ties_as_keras_argmax_and_in_top_k_do():
+    """Tied logits (duplicate kernel columns) and labels outside the vocabulary (an ignored class)."""
+    from effgrad.train import fused_loss
+
+    hidden = tf.constant(np.random.default_rng(0).normal(size=(40, 8)), tf.float32)
+    columns = np.random.default_rng(1).normal(size=(8, 6))
+    kernel = tf.constant(np.concatenate([columns, columns[:, :4]], axis=1), tf.float32)  # classes 6-9 copy 0-3
+    labels = tf.constant(np.random.default_rng(2).integers(-1, 10, 40), tf.int32)  # -1: outside [0, 10)
+    _, ranks = fused_loss._cross_entropy(hidden, kernel, labels, None, False, None, -1, 7, True)
+    logits = hidden @ kernel
+    accuracy = keras.metrics.sparse_categorical_accuracy(labels, logits).numpy()
+    np.testing.assert_array_equal((ranks[:, 0] == 0) & (ranks[:, 1] == 0), accuracy == 1)
+    for k in (1, 2, 3, 5):
+        top = keras.metrics.sparse_top_k_categorical_accuracy(labels, logits, k=k).numpy()
+        np.testing.assert_array_equal(ranks[:, 0] < k, top == 1, err_msg=f"k={k}")
+    assert 0 < accuracy.sum() < 40 and (labels.numpy() >= 6).sum() > 0  # ties and misses both occur
 
 
 def test_the_model_is_unchanged_it_still_generates_and_saves(rng, tmp_path):

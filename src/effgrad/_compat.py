@@ -19,6 +19,9 @@ import tensorflow as tf
 
 __all__ = [
     "TESTED",
+    "apply_mask",
+    "build_compiled_metrics",
+    "compiled_metric_objects",
     "compile_state",
     "compiled_loss",
     "context_started",
@@ -77,8 +80,9 @@ try:
     from keras.src.backend import get_keras_mask, get_stateless_scope, set_keras_mask
     from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
 
-    # Keras's own rank alignment of sample weights and masks against losses.
-    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+    # Keras's own rank alignment of sample weights and masks against losses, and a metric's
+    # combination of a mask with the sample weights.
+    from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
 
@@ -110,9 +114,12 @@ try:
     from keras.src.trainers.compile_utils import CompileMetrics as _CompileMetrics
 except ImportError as _err:  # pragma: no cover
     raise _missing("keras.src.trainers.compile_utils.CompileMetrics", _err) from _err
-if not {"_user_metrics", "_user_weighted_metrics"} <= set(_CompileMetrics.build.__code__.co_names):
+if not {"_user_metrics", "_user_weighted_metrics", "_flat_metrics", "_flat_weighted_metrics"} <= set(
+    _CompileMetrics.build.__code__.co_names
+):
     raise _missing(
-        "keras CompileMetrics._user_metrics / _user_weighted_metrics", AttributeError("not found")
+        "keras CompileMetrics._user_metrics / _user_weighted_metrics / _flat_metrics / _flat_weighted_metrics",
+        AttributeError("not found"),
     )  # pragma: no cover
 
 try:
@@ -206,6 +213,28 @@ def has_compiled_metrics(model) -> bool:
     """
     metrics = getattr(model, "_compile_metrics", None)
     return metrics is not None and bool(metrics._user_metrics or metrics._user_weighted_metrics)
+
+
+def compiled_metric_objects(model) -> tuple[list, list] | None:
+    """``(metrics, weighted_metrics)`` of a built single-output ``CompileMetrics``, or None.
+
+    None when the model has several outputs or its compiled metrics are not
+    built yet (Keras builds them symbolically before fit's first step).
+    """
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is None or not metrics.built:
+        return None
+    plain, weighted = metrics._flat_metrics, metrics._flat_weighted_metrics
+    if len(plain) != 1 or len(weighted) != 1:
+        return None
+    return (list(plain[0].metrics) if plain[0] else []), (list(weighted[0].metrics) if weighted[0] else [])
+
+
+def build_compiled_metrics(model, y, y_pred) -> None:
+    """Builds ``compile``'s metrics from ``y`` and the predictions' shape, as their first update would."""
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built:
+        metrics.build(y, y_pred)
 
 
 def build_empty_compiled_metrics(model, y) -> None:

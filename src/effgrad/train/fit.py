@@ -105,11 +105,9 @@ def _attach(model, given: dict, forward) -> keras.Model:
     ):
         _keep_scale_state_in_optimizer(model)
 
-    def update_metrics(x, y, y_pred, sample_weight):
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    # Without compiled metrics nothing reads y_pred: the loss may then be fused with the last layer.
-    on_micro_batch = update_metrics if _compat.has_compiled_metrics(model) else None
+    # Without compiled metrics nothing reads y_pred; with accuracy and top-k only, the loss may still be
+    # fused with the last layer (they are computed from the chunks).
+    on_micro_batch = CompiledMetrics(model) if _compat.has_compiled_metrics(model) else None
     step = TrainStep(forward, objective, model.optimizer, on_micro_batch=on_micro_batch, **options)
     compiled_with = _compat.compile_state(model)
 
@@ -156,6 +154,64 @@ def _attach(model, given: dict, forward) -> keras.Model:
     model.effgrad_step = step
     model.train_function = None  # rebuilt by the next fit()
     return model
+
+
+class CompiledMetrics:
+    """``attach``'s ``on_micro_batch``: the compiled metrics, updated with each micro-batch's predictions.
+
+    With the loss fused into the last layer there are no logits. Accuracy and
+    top-k metrics are then updated from each position's rank among the
+    classes, which the chunks compute from logits they make anyway (ties
+    counted as Keras's ``argmax`` and ``in_top_k`` count them); any other
+    metric needs the logits, and the step does not fuse.
+
+    Trap:
+        The chunks rank float32 logits. Under ``mixed_float16`` Keras ranks
+        float16 ones (and compares labels cast to float16, which above 2,048
+        classes rounds them), so the two can differ on near ties.
+    """
+
+    _RANKED = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.SparseTopKCategoricalAccuracy)
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x, y, y_pred, sample_weight) -> None:
+        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def readers_of_logits(self, y=None, logits=None) -> list[str]:
+        """The metrics that need the logits themselves (``[]``: all computable from ranks).
+
+        Builds the compiled metrics from ``y`` and ``logits`` (their shape) if Keras has not yet
+        (it builds them at their first update, which the fused step never makes with logits).
+        """
+        if type(self.model).compute_metrics is not keras.Model.compute_metrics:
+            return [f"of {type(self.model).__name__}.compute_metrics"]
+        if y is not None and logits is not None:
+            _compat.build_compiled_metrics(self.model, y, logits)
+        objects = _compat.compiled_metric_objects(self.model)
+        if objects is None:
+            return ["compiled (on several outputs, or not built yet)"]
+        return [repr(m.name) for m in objects[0] + objects[1] if not self._ranked(m)]
+
+    def _ranked(self, metric) -> bool:
+        return type(metric) in self._RANKED and not metric.get_config().get("from_sorted_ids", False)
+
+    def update_from_ranks(self, y, ranks, sample_weight, mask) -> None:
+        """Updates each metric from ``ranks`` (``[..., 2]``: classes beating the label, classes tying it
+        with a smaller id), with the weights and mask Keras's ``MeanMetricWrapper`` would use."""
+        plain, weighted = _compat.compiled_metric_objects(self.model)
+        beaten, tied = ranks[..., 0], ranks[..., 1]
+        for metric, weight in [(m, None) for m in plain] + [(m, sample_weight) for m in weighted]:
+            if isinstance(metric, keras.metrics.SparseTopKCategoricalAccuracy):
+                hits = beaten < metric.get_config()["k"]  # in_top_k: ties across the boundary are in
+            else:
+                hits = (beaten == 0) & (tied == 0)  # argmax: the first maximum wins
+            values = tf.cast(hits, keras.backend.floatx())
+            if values.shape.rank > 1 and values.shape[-1] == 1:  # labels [batch, 1]: Keras squeezes
+                values = tf.squeeze(values, -1)
+            weight = _compat.apply_mask(weight, mask, dtype=metric.dtype, reduction="sum")
+            keras.metrics.Mean.update_state(metric, values, sample_weight=weight)
 
 
 def _telling_rows_at_fit(model):

@@ -24,22 +24,24 @@ chunks run in float32 whatever the compute dtype).
 
 Trap:
     The saving is in the loss, not the model: anything else that reads the
-    logits needs them. With compiled metrics (``attach``), which read
-    ``y_pred`` every micro-batch, the step does not fuse and its log line
-    says so, rather than report a metric computed on something else.
+    logits needs them. Compiled accuracy and top-k metrics (``attach``) are
+    computed from the chunks (each position's rank among the classes);
+    with any other compiled metric the step does not fuse and warns, rather
+    than report a metric computed on something else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import keras
 import tensorflow as tf
 
 from effgrad import _compat
 
-__all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide"]
+__all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide", "readers_of_logits"]
 
 # Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
 CHUNK_ELEMENTS = 2**22
@@ -100,6 +102,18 @@ def fused_sparse_cross_entropy(
     """
     if not from_logits:
         raise ValueError("fused_sparse_cross_entropy computes the softmax itself: it needs from_logits=True.")
+    losses, _ = _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, False)
+    return losses
+
+
+def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, ranks: bool):
+    """``(losses, ranks or None)``: :func:`fused_sparse_cross_entropy`, and with ``ranks`` each
+    position's ``[2]`` float32 ``(classes whose logit beats the label's, classes tying it with a
+    smaller id)``; a label outside ``[0, V)`` counts every class as beating it.
+
+    Accuracy (Keras's argmax, first maximum wins) is "both are 0"; top-k (``tf.math.in_top_k``:
+    ties straddling the boundary are in) is "the first is below k".
+    """
     hidden = tf.convert_to_tensor(hidden)
     kernel = tf.convert_to_tensor(kernel)
     labels = tf.convert_to_tensor(labels)
@@ -115,21 +129,27 @@ def fused_sparse_cross_entropy(
         labels = tf.cast(labels, tf.int32)
     rows_shape = tf.shape(labels)
     flat_labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
+    given = flat_labels  # the metrics rank the label as given, ignored class included (as Keras's do)
     valid = None
     if ignore_class is not None:
         valid = tf.not_equal(flat_labels, ignore_class)
         flat_labels = tf.where(valid, flat_labels, 0)
     flat_hidden = tf.reshape(hidden, [-1, depth])
     size = _chunk_rows(vocabulary, chunk_rows)
-    losses = _fused(flat_hidden, kernel, bias, flat_labels, valid, transposed, soft_cap, size)
+    losses, rank = _fused(
+        flat_hidden, kernel, bias, flat_labels, valid, transposed, soft_cap, size, given if ranks else None
+    )
     losses = tf.reshape(losses, rows_shape)
     if valid is not None:
         _compat.set_keras_mask(losses, tf.reshape(valid, rows_shape))
-    return losses
+    if rank is not None:
+        rank = tf.reshape(rank, tf.concat([rows_shape, [2]], 0))
+    return losses, rank
 
 
-def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
-    """``[rows]`` losses with a gradient that recomputes each chunk's logits."""
+def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, given=None):
+    """``([rows] losses, [rows, 2] ranks of ``given`` or None)``; the losses' gradient recomputes
+    each chunk's logits."""
     has_bias = bias is not None
     bias = tf.zeros([0], tf.float32) if bias is None else tf.convert_to_tensor(bias)
     rows = tf.shape(hidden)[0]
@@ -163,17 +183,32 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
         h32, w32, b32 = (tf.stop_gradient(tf.cast(t, tf.float32)) for t in (h, w, b))
         vocabulary = int(w.shape[0] if transposed else w.shape[1])
         h_pad, labels_pad = padded(h32), padded(labels)
+        if given is not None:
+            given_pad = padded(given)
+            class_ids = tf.range(vocabulary)
 
-        def forward(i, lse_parts, loss_parts):
+        def forward(i, lse_parts, loss_parts, *rank_parts):
             z, _ = logits_of(chunk(h_pad, i), w32, b32)
             lse = tf.reduce_logsumexp(z, axis=1)
             picked = tf.gather(z, chunk(labels_pad, i), batch_dims=1)
-            return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked)
+            parts = (lse_parts.write(i, lse), loss_parts.write(i, lse - picked))
+            if given is not None:  # the metrics' share: two counts per row from logits that exist anyway
+                label = chunk(given_pad, i)
+                inside = (label >= 0) & (label < vocabulary)
+                label = tf.where(inside, label, 0)
+                target = tf.gather(z, label, batch_dims=1)[:, None]
+                beaten = tf.reduce_sum(tf.cast(z > target, tf.float32), axis=1)
+                tied = tf.reduce_sum(tf.cast((z == target) & (class_ids < label[:, None]), tf.float32), axis=1)
+                beaten = tf.where(inside, beaten, float(vocabulary))
+                parts += (rank_parts[0].write(i, tf.stack([beaten, tied], axis=1)),)
+            return (i + 1, *parts)
 
         arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[None]) for _ in range(2)]
+        if given is not None:
+            arrays.append(tf.TensorArray(tf.float32, size=chunks, element_shape=[None, 2]))
         # One chunk at a time (parallel_iterations=1): running several at once holds several chunks'
         # logits (measured: 632 vs 162 MiB for 2,048 rows of GPT-2's vocabulary).
-        _, lse_parts, loss_parts = tf.while_loop(
+        _, lse_parts, loss_parts, *rank_parts = tf.while_loop(
             lambda i, *_: i < chunks,
             forward,
             (tf.constant(0), *arrays),
@@ -184,8 +219,11 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
         loss = tf.reshape(loss_parts.stack(), [-1])[:rows]
         if valid is not None:
             loss = tf.where(valid, loss, 0.0)
+        outputs = (loss,)
+        if given is not None:
+            outputs += (tf.reshape(rank_parts[0].stack(), [-1, 2])[:rows],)
 
-        def grad(upstream):
+        def grad(upstream, *_rank_gradient):  # the ranks are counts: no gradient flows through them
             # Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the
             # kernel's gradient is summed per vocabulary chunk in a small [d, chunk] buffer and
             # concatenated once. Summing whole [d, V] gradients over row chunks would keep three
@@ -250,9 +288,26 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size):
             db = tf.concat(db_parts, axis=0) if has_bias else b32
             return tf.cast(dh[:rows], h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
 
-        return loss, grad
+        return outputs, grad
 
-    return fused(hidden, kernel, bias)
+    outputs = fused(hidden, kernel, bias)
+    return outputs[0], (outputs[1] if given is not None else None)
+
+
+def readers_of_logits(on_micro_batch, y=None, logits=None) -> list[str]:
+    """What in ``on_micro_batch`` needs the logits themselves: ``[]`` when nothing does.
+
+    A callback computable from each position's rank (compiled accuracy and
+    top-k metrics: ``attach``'s ``CompiledMetrics``) has
+    ``readers_of_logits(y, logits)`` (``logits``: a ``keras.KerasTensor``
+    with their shape, to resolve metrics such as ``"accuracy"``) and
+    ``update_from_ranks(y, ranks, sample_weight, mask)``; any other callback
+    reads ``y_pred``.
+    """
+    if on_micro_batch is None:
+        return []
+    readers = getattr(on_micro_batch, "readers_of_logits", None)
+    return ["given to on_micro_batch"] if readers is None else readers(y, logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,16 +336,13 @@ class Head:
     def bias(self):
         return getattr(self.layer, "bias", None) if isinstance(self.layer, keras.layers.Dense) else None
 
-    def losses(self, hidden, labels, ignore_class=None):
-        """Per-position losses of ``labels`` against the projection of ``hidden``."""
-        return fused_sparse_cross_entropy(
-            hidden,
-            self.kernel(),
-            labels,
-            bias=self.bias(),
-            transposed=self.transposed,
-            soft_cap=self.soft_cap,
-            ignore_class=ignore_class,
+    def losses(self, hidden, labels, ignore_class=None, ranks: bool = False):
+        """``(per-position losses, ranks or None)`` of ``labels`` against the projection of ``hidden``.
+
+        ``ranks``: each position's two counts for accuracy and top-k metrics (see ``_cross_entropy``).
+        """
+        return _cross_entropy(
+            hidden, self.kernel(), labels, self.bias(), self.transposed, self.soft_cap, ignore_class, None, ranks
         )
 
 
@@ -329,7 +381,7 @@ def find_head(model) -> Head | str:
 
 
 def decide(
-    options, objective, model, hint: tuple[int, int] | None, *, private: bool = False
+    options, objective, model, hint: tuple[int, int] | None, *, private: bool = False, y=None
 ) -> tuple[Head | None, str]:
     """``(head to fuse the loss with, or None; one sentence saying why or why not)``.
 
@@ -349,8 +401,6 @@ def decide(
         why_not = "per_example_clip needs the gradient of the logits to take each example's norm"
     elif not (isinstance(loss, keras.losses.SparseCategoricalCrossentropy) and loss.from_logits):
         why_not = f"the loss is {type(loss).__name__}, not SparseCategoricalCrossentropy(from_logits=True)"
-    elif options.on_micro_batch is not None:
-        why_not = "metrics read the logits of every micro-batch (compile without metrics to fuse)"
     else:
         head = find_head(model)
         if isinstance(head, str):
@@ -369,6 +419,23 @@ def decide(
                     f"{depth:,} inputs for chunks to save memory (from {4 * depth + 1:,}); "
                     "fused_loss=True forces it"
                 )
+    readers = []
+    if why_not is None:
+        depth, classes = head.kernel().shape[::-1] if head.transposed else head.kernel().shape
+        logits = keras.KerasTensor((*head.trunk.output.shape[:-1], classes), dtype=head.layer.compute_dtype)
+        readers = readers_of_logits(options.on_micro_batch, y, logits)
+    if readers:
+        why_not = (
+            f"the metrics {', '.join(readers)} read the logits of every micro-batch (accuracy and top-k "
+            "metrics are computed from the chunks; compile without the others to fuse)"
+        )
+        if option == "auto":  # the memory the user expected is not saved: say so where it will be seen
+            warnings.warn(
+                f"effgrad: the loss is not fused with {head.layer.name!r}, so every batch's logits are made: "
+                f"{why_not}.",
+                UserWarning,
+                stacklevel=4,
+            )
     if why_not is not None:
         if option is True:
             raise ValueError(f"fused_loss=True cannot apply: {why_not}.")

@@ -113,7 +113,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
         train_step._objective,
         train_step._state_variables,
         split=False,
-        on_micro_batch=options.on_micro_batch,
+        on_micro_batch=train_step._on_micro_batch,
     )
     reduction = train_step.reduction
     with tf.GradientTape(persistent=True) as tape:

@@ -261,17 +261,21 @@ class Objective:
         return cls(evaluate, reduction, single=loss)
 
     @classmethod
-    def of_head(cls, head, loss, reduction: str) -> Objective:
+    def of_head(cls, head, loss, reduction: str, on_ranks: Callable | None = None) -> Objective:
         """``loss`` (a ``SparseCategoricalCrossentropy(from_logits=True)``) fused with ``head``'s projection.
 
         The step then calls the model's trunk and passes its hidden states
         where ``y_pred`` would be: the logits are never made
-        (:mod:`effgrad.train.fused_loss`).
+        (:mod:`effgrad.train.fused_loss`). ``on_ranks(y, ranks, sample_weight,
+        mask)`` gets each position's rank counts (accuracy and top-k metrics)
+        from the chunks' logits, ``mask`` being the one Keras would put on them.
         """
         reduction = check_reduction(reduction)
 
         def evaluate(y, hidden, sample_weight):
-            values = head.losses(hidden, y, ignore_class=loss.ignore_class)
+            values, ranks = head.losses(hidden, y, ignore_class=loss.ignore_class, ranks=on_ranks is not None)
+            if on_ranks is not None:
+                on_ranks(y, ranks, sample_weight, _compat.get_keras_mask(hidden))
             return [Term(values, sample_weight, keras_mask(hidden, values), reduction)]
 
         return cls(evaluate, reduction, single=loss)

@@ -235,16 +235,25 @@ class TrainStep:
         self._state_variables = list(self.model.non_trainable_variables)
         self._ready = True
 
-    def _decide(self, x) -> None:
+    @property
+    def _on_micro_batch(self):
+        """What Forward calls with each micro-batch's predictions: nothing when the loss is fused
+        (there are no logits; the fused objective hands the metrics each position's rank)."""
+        return None if self.fused_loss else self.options.on_micro_batch
+
+    def _decide(self, x, y=None) -> None:
         """At the first trace: whether the loss is fused with the last layer, and updates with backprop."""
         hint = self.batch_hint or batch_shape(x)
         if self.fused_loss is None:
             head, self.fused_loss_reason = fused_loss.decide(
-                self.options, self._objective, self.model, hint, private=self.options.private
+                self.options, self._objective, self.model, hint, private=self.options.private, y=y
             )
             self.fused_loss = head is not None
             if head is not None:
-                self._objective = objective_lib.Objective.of_head(head, self._objective.single, self.reduction)
+                metrics = self.options.on_micro_batch
+                self._objective = objective_lib.Objective.of_head(
+                    head, self._objective.single, self.reduction, None if metrics is None else metrics.update_from_ranks
+                )
                 self._forward_model = head.trunk
             _log.info("effgrad: %s", self.fused_loss_reason)
         if self.fused is None:
@@ -329,7 +338,7 @@ class TrainStep:
             self._objective,
             self._state_variables,
             split=split,
-            on_micro_batch=self.options.on_micro_batch,
+            on_micro_batch=self._on_micro_batch,
         )
         normalization = self._normalization()
 
@@ -393,7 +402,7 @@ class TrainStep:
         ctx = tf.distribute.get_replica_context()
         if shard:
             x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
-        self._decide(x)
+        self._decide(x, y)
         if self.fused:
             return fused_update.step(self, x, y, sample_weight)
         facts = flows.Facts()  # what this trace learns about the model, for this trace only
