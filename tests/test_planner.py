@@ -6,7 +6,6 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import effgrad
 from effgrad.train import planner
@@ -47,8 +46,7 @@ def _measured_peak(model, x, y, micro_batches, segments, optimizer=None):
     step = effgrad.build_train_step(trained, _LOSS, optimizer, micro_batches=micro_batches)
     step(x, y)
     report = effgrad.memory.measure(lambda: step(x, y)["loss"])
-    state = {id(v): v for v in [*trained.variables, *optimizer.variables, *(step._accumulators or [])]}.values()
-    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in state) + report.extra_bytes
+    return planner._bytes([*trained.variables, *optimizer.variables, *(step._accumulators or [])]) + report.extra_bytes
 
 
 # Training with a plan, from scratch in a fresh process ("used": after other work, whose memory is freed):

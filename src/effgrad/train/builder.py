@@ -71,6 +71,11 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep | PlannedTr
               replicas. See ``docs/diagnostics.md``.
             * ``on_micro_batch``: ``fn(x, y, y_pred, sample_weight)`` called
               inside the compiled step once per micro-batch (e.g. metrics).
+              It reads the logits, so the loss is then not fused, unless it
+              also has ``readers_of_logits(y, logits) -> []`` and
+              ``update_from_ranks(y, ranks, sample_weight, mask)`` (as
+              ``attach``'s compiled accuracy and top-k metrics do: see
+              :func:`effgrad.train.fused_loss.readers_of_logits`).
             * ``fused_update``: with one micro-batch on one replica, apply each
               variable's update as backprop makes its gradient instead of
               gathering every gradient first (LOMO's two backward passes: the

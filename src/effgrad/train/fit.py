@@ -270,7 +270,8 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
     reduction = options.get("reduction", objective_lib.reduction_of(model.loss))
     planning = {**step_options, "strategy": strategy, "reduction": reduction}
     if _compat.has_compiled_metrics(model):
-        # The attached step will not fuse the loss (metrics read the logits): plan the step it will run.
+        # Whether they read the logits is known once fit builds them: plan the unfused step, the larger
+        # of the two the attached step may run (accuracy and top-k alone let it fuse).
         planning["fused_loss"] = False
     planned = PlannedTrainStep(model, model.loss, model.optimizer, **planning)  # validates every option now
 

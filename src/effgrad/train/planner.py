@@ -217,7 +217,9 @@ class MemoryPlan:
 
 def _bytes(variables) -> int:
     unique = {id(v): v for v in variables}.values()  # a checkpointed model shares the variables
-    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in unique)
+    # An accumulator's static shape is open (accumulate.make_accumulators): its size is its value's.
+    sizes = (int(np.prod(v.shape)) if v.shape.is_fully_defined() else int(tf.size(v)) for v in unique)
+    return sum(n * tf.as_dtype(v.dtype).size for n, v in zip(sizes, unique))
 
 
 def _micro_batch_choices(batch: int) -> list[int]:
