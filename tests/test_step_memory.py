@@ -80,3 +80,23 @@ def test_a_discarded_step_frees_what_it_allocated(micro_batches, custom_gradient
     del step, net
     gc.collect()
     assert effgrad.memory.current_bytes() - before < 2**20
+
+
+def test_a_step_collected_during_a_trace_is_emptied_later_not_inside_the_trace():
+    """A collection can run in the middle of tracing another step, with the graph's lock held (planning
+    deadlocked there): the accumulators wait for the next eager safe point instead of adding ops to it."""
+    import tensorflow as tf
+
+    from effgrad.train import accumulate
+
+    accumulators = accumulate.make_accumulators([tf.Variable(tf.zeros([256, 256]))])
+
+    @tf.function
+    def another_trace():
+        accumulate._release(accumulators)  # what the finalizer runs when the collection happens here
+        return tf.constant(1.0)
+
+    another_trace()
+    assert int(tf.size(accumulators[0])) == 256 * 256  # untouched by the trace
+    accumulate.free_released()  # e.g. the next make_accumulators
+    assert int(tf.size(accumulators[0])) == 0

@@ -34,11 +34,21 @@ total, as ``effgrad.build_train_step`` does.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["batch_size", "rows", "dense", "accumulate_gradients", "make_accumulators", "free_accumulators"]
+__all__ = [
+    "batch_size",
+    "rows",
+    "dense",
+    "accumulate_gradients",
+    "make_accumulators",
+    "free_accumulators",
+    "free_when_collected",
+    "free_released",
+]
 
 
 def batch_size(batch) -> tf.Tensor:
@@ -88,6 +98,7 @@ def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
     candidate on the GPT-2 LM). ``accumulate_gradients`` restores the shape
     where it reads them.
     """
+    free_released()  # a safe point: eager, outside any trace
     return [
         tf.Variable(
             tf.zeros(v.shape, tf.float32),
@@ -102,7 +113,7 @@ def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
 
 
 def free_accumulators(accumulators: Sequence[tf.Variable]) -> None:
-    """Shrinks each accumulator (each replica's copy) to an empty buffer.
+    """Shrinks each accumulator (each replica's copy) to an empty buffer. Call it eagerly.
 
     Whatever still holds their handles (a graph TensorFlow never frees) then
     holds a few bytes, not a gradient. A step that runs again after this
@@ -112,6 +123,34 @@ def free_accumulators(accumulators: Sequence[tf.Variable]) -> None:
     for accumulator in accumulators:
         for part in getattr(accumulator, "values", (accumulator,)):
             part.assign(empty, read_value=False)
+
+
+# Accumulators of collected steps that could not be emptied at once (see free_when_collected).
+_released: list[list[tf.Variable]] = []
+
+
+def free_when_collected(owner, accumulators: Sequence[tf.Variable]) -> None:
+    """Empties ``accumulators`` once ``owner`` (their step) is garbage-collected.
+
+    Trap: a collection can run in the middle of tracing, with the graph's
+    lock held; creating ops then deadlocks (seen while planning). So they are
+    emptied at once only when the collection happens eagerly, else at the
+    next safe point (the next ``make_accumulators``, or ``free_released``).
+    """
+    weakref.finalize(owner, _release, list(accumulators)).atexit = False
+
+
+def _release(accumulators: list) -> None:
+    if tf.executing_eagerly() and not tf.inside_function():
+        free_accumulators(accumulators)
+    else:
+        _released.append(accumulators)
+
+
+def free_released() -> None:
+    """Empties the accumulators of collected steps that had to wait (call it eagerly)."""
+    while _released:
+        free_accumulators(_released.pop())
 
 
 def accumulate_gradients(

@@ -392,6 +392,7 @@ class _Planner:
         for step in self.steps.values():
             accumulate.free_accumulators(step._accumulators or [])
         self.steps.clear()
+        accumulate.free_released()
 
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:

@@ -33,7 +33,6 @@ import functools
 import logging
 import secrets
 import warnings
-import weakref
 from typing import NamedTuple
 
 import keras
@@ -201,7 +200,7 @@ class TrainStep:
         with self.strategy.scope():
             self._accumulators = accumulate.make_accumulators(self.model.trainable_variables)
         # Emptied when this step is collected: a graph TF never frees may still hold their handles.
-        weakref.finalize(self, accumulate.free_accumulators, self._accumulators).atexit = False
+        accumulate.free_when_collected(self, self._accumulators)
 
     def _prepare(self, x=None) -> None:
         """Creates every variable the step needs, outside any tf.function."""
