@@ -192,7 +192,8 @@ def test_auto_does_not_fuse_logits_that_fit_in_one_chunk(rng):
     assert step.fused_loss is False and "(65 x 300) fit in one chunk" in step.fused_loss_reason
 
 
-def test_attach_fuses_with_accuracy_and_top_k_metrics_equal_to_stock_keras(rng):
+@pytest.mark.parametrize("jit_compile, micro_batches", [(False, 1), (True, 2)])
+def test_attach_fuses_with_accuracy_and_top_k_metrics_equal_to_stock_keras(rng, jit_compile, micro_batches):
     """Compiled accuracy and top-k are computed from the chunks: same history as stock Keras's logits."""
     x, y = rng.normal(size=(16, 12)).astype("float32"), rng.integers(0, 300, 16)
     w = rng.uniform(0, 1, 16).astype("float32")
@@ -204,8 +205,9 @@ def test_attach_fuses_with_accuracy_and_top_k_metrics_equal_to_stock_keras(rng):
             loss=loss,
             metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=20, name="top20")],
             weighted_metrics=["sparse_categorical_accuracy"],
+            jit_compile=jit_compile,
         )
-    effgrad.attach(ours, fused_loss=True)  # 8 rows: "auto" would not fuse (see the tests above)
+    effgrad.attach(ours, fused_loss=True, micro_batches=micro_batches)  # 8 rows: "auto" would not fuse
     h_stock = stock.fit(x, y, sample_weight=w, batch_size=8, epochs=3, shuffle=False, verbose=0).history
     h_ours = ours.fit(x, y, sample_weight=w, batch_size=8, epochs=3, shuffle=False, verbose=0).history
     assert ours.effgrad_step.fused_loss
