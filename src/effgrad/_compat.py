@@ -243,9 +243,8 @@ def build_empty_compiled_metrics(model, y) -> None:
     Keras builds it at its first ``compute_metrics``; a step that computes no
     metric never calls that, and ``get_metrics_result`` refuses an unbuilt one.
     """
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built and not has_compiled_metrics(model):
-        metrics.build(y, y)  # no metric: only the structure's length is read
+    if not has_compiled_metrics(model):
+        build_compiled_metrics(model, y, y)  # no metric: only the structure's length is read
 
 
 @contextlib.contextmanager

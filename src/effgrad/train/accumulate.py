@@ -45,6 +45,7 @@ __all__ = [
     "dense",
     "accumulate_gradients",
     "make_accumulators",
+    "read",
     "free_accumulators",
     "free_when_collected",
     "free_released",
@@ -110,6 +111,11 @@ def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
         )
         for v in variables
     ]
+
+
+def read(accumulator: tf.Variable, shape) -> tf.Tensor:
+    """An accumulator's value with its variable's static ``shape`` (its own is open)."""
+    return tf.ensure_shape(accumulator.read_value(), shape)
 
 
 def free_accumulators(accumulators: Sequence[tf.Variable]) -> None:
@@ -237,8 +243,5 @@ def accumulate_gradients(
         with tf.control_dependencies(updates):
             carry = tf.nest.map_structure(tf.identity, carry)
     with tf.control_dependencies(tf.nest.flatten(carry)):
-        grads = [
-            tf.ensure_shape(acc.read_value(), v.shape) if c else None
-            for acc, v, c in zip(accumulators, variables, connected)
-        ]
+        grads = [read(acc, v.shape) if c else None for acc, v, c in zip(accumulators, variables, connected)]
     return grads, carry

@@ -327,6 +327,12 @@ class Head:
     transposed: bool
     soft_cap: float | None
 
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """``(d, V)``: the projection's inputs and classes."""
+        shape = self.kernel().shape
+        return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
+
     def kernel(self):
         layer = self.layer
         if isinstance(layer, keras.layers.Dense):
@@ -406,7 +412,7 @@ def decide(
         if isinstance(head, str):
             head, why_not = None, head
         elif option == "auto" and hint is not None:
-            depth, classes = head.kernel().shape[::-1] if head.transposed else head.kernel().shape
+            depth, classes = head.sizes
             positions = hint[0] * math.prod(hint[1] if d is None else d for d in head.trunk.output.shape[1:-1])
             if positions * classes <= CHUNK_ELEMENTS:
                 why_not = (
@@ -421,8 +427,7 @@ def decide(
                 )
     readers = []
     if why_not is None:
-        depth, classes = head.kernel().shape[::-1] if head.transposed else head.kernel().shape
-        logits = keras.KerasTensor((*head.trunk.output.shape[:-1], classes), dtype=head.layer.compute_dtype)
+        logits = keras.KerasTensor((*head.trunk.output.shape[:-1], head.sizes[1]), dtype=head.layer.compute_dtype)
         readers = readers_of_logits(options.on_micro_batch, y, logits)
     if readers:
         why_not = (
@@ -440,8 +445,7 @@ def decide(
         if option is True:
             raise ValueError(f"fused_loss=True cannot apply: {why_not}.")
         return None, f"fused loss not used: {why_not}."
-    vocabulary = head.kernel().shape[0 if head.transposed else 1]
     return head, (
-        f"fused loss: {head.layer.name} ({vocabulary:,} classes) and the cross-entropy computed in "
+        f"fused loss: {head.layer.name} ({head.sizes[1]:,} classes) and the cross-entropy computed in "
         "chunks of rows; the logits are never made."
     )

@@ -29,6 +29,7 @@ import warnings
 import tensorflow as tf
 
 from effgrad import _compat, distribute
+from effgrad.train import accumulate
 
 __all__ = ["Update", "Noise", "squared_norm", "regularization", "apply_or_skip", "warn_unconnected"]
 
@@ -174,8 +175,7 @@ def apply_or_skip(
         if accumulators is not None:
             writes = [acc.assign(g, read_value=False) for acc, g in zip(accumulators, grads)]
             with tf.control_dependencies(writes):
-                # Their static shape is open (see make_accumulators): the optimizer gets it back.
-                grads = [tf.ensure_shape(acc.read_value(), v.shape) for acc, v in zip(accumulators, variables)]
+                grads = [accumulate.read(acc, v.shape) for acc, v in zip(accumulators, variables)]
         optimizer.apply(grads, variables)
         for (variable, _), value in zip(commit, commit_values):
             variable.assign(value)
