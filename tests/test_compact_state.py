@@ -11,7 +11,7 @@ import effgrad
 from conftest import assert_variables_close
 from effgrad.train import compact
 from effgrad.train.compact import SUPPORTED, CompactSlot, dequantize, quantize
-from helpers import in_fresh_processes
+from helpers import in_fresh_processes, tiny_gpt2_lm
 
 
 def _model(seed=0, features=32, hidden=256):
@@ -136,7 +136,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
     def run(part_elements):
         monkeypatch.setattr(compact, "PART_ELEMENTS", part_elements)
         with strategy.scope() if mode == "mirrored" else contextlib.nullcontext():
-            model = _model(features=40)  # a [40, 256] kernel: parts of 16, 16 and 8 rows
+            model = _model(features=40)  # a [40, 256] kernel: 5 blocks of 2048, parts of 2, 2 and 1
             opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype=dtype)
         options = {"strategy": strategy} if mode == "mirrored" else {"jit_compile": mode == "xla"}
         step = effgrad.build_train_step(model, "mse", opt, **options)
@@ -144,10 +144,14 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
             step(x, y)
         return [v.numpy() for v in [*model.variables, *opt.variables]]
 
+    whole = run(10**9)
     calls = []
-    monkeypatch.setattr(compact, "_Rows", _counting(compact._Rows, calls))
-    whole, parts = run(10**9), run(4096)
-    assert len(calls) == 3 * (2 if mode == "mirrored" else 1)  # 3 parts of the kernel (per replica), one trace
+    monkeypatch.setattr(compact, "_Part", _counting(compact._Part, calls))
+    parts = run(4096)
+    # The kernel's update (per replica) traced once: the loop's part of 2 blocks and the last block.
+    assert [tuple(value.shape) for _, value in calls if value.shape.rank == 1] == [(4096,), (2048,)] * (
+        2 if mode == "mirrored" else 1
+    )
     for a, b in zip(parts, whole):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -155,7 +159,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
 def _counting(cls, calls):
     class Counted(cls):
         def __init__(self, *args):
-            calls.append(args[1:])
+            calls.append(args)
             super().__init__(*args)
 
     return Counted
@@ -233,7 +237,8 @@ def test_a_learning_rate_schedule_is_kept_and_followed(rng):
     np.testing.assert_allclose(float(opt.learning_rate), 0.05 * 0.25, rtol=1e-6)
 
 
-def test_embedding_rows_get_sparse_updates_like_float32(rng):
+def test_embedding_rows_get_sparse_updates_like_float32(rng, monkeypatch):
+    monkeypatch.setattr(compact, "PART_ELEMENTS", 4096)  # the table in parts, as a large one is
     tokens = rng.integers(0, 1000, size=(8, 5)).astype("int32")
     labels = rng.integers(0, 4, size=(8, 5))
 
@@ -249,10 +254,10 @@ def test_embedding_rows_get_sparse_updates_like_float32(rng):
         return model.layers[0].embeddings.numpy() - table
 
     plain = run(keras.optimizers.Adam(0.01))
-    compact = run(effgrad.compact_state(keras.optimizers.Adam(0.01)))
+    compressed = run(effgrad.compact_state(keras.optimizers.Adam(0.01)))
     unused = np.setdiff1d(np.arange(1000), tokens)
-    np.testing.assert_array_equal(compact[unused], 0.0)  # rows never looked up never move
-    assert np.linalg.norm(compact - plain) <= 0.03 * np.linalg.norm(plain)
+    np.testing.assert_array_equal(compressed[unused], 0.0)  # rows never looked up never move
+    assert np.linalg.norm(compressed - plain) <= 0.03 * np.linalg.norm(plain)
 
 
 def _fit_then_continue(model, x, y, steps=2):
@@ -349,12 +354,15 @@ print("@@" + json.dumps(min(peaks)))
 
 
 def test_the_step_peak_falls_by_most_of_the_state_it_no_longer_keeps():
-    peaks = in_fresh_processes(_CHILD, {s: [s, 0] for s in ("float32", "int8")})
+    peaks = in_fresh_processes(_CHILD, {**{s: [s, 0] for s in ("float32", "int8")}, "int8 fused": ["int8", 1]})
     slots = 6 * 2 * 1024 * 1024 * 4  # Adam's two float32 moments of six 4 MiB kernels
     print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
     # int8 keeps a quarter of them; expanding every slot at once (nothing ordering the updates)
     # would give back most of the saving.
     assert peaks["int8"] <= peaks["float32"] - 0.5 * slots, peaks
+    # Fused, the gradients go too: backprop waits for the compact updates (unpaced, it ran
+    # ahead of them and held every gradient, as gathered).
+    assert peaks["int8 fused"] <= peaks["int8"] - 0.25 * slots, peaks
 
 
 def test_the_optimizer_round_trips_through_its_config_as_the_planner_rebuilds_it():
@@ -367,8 +375,8 @@ def test_the_optimizer_round_trips_through_its_config_as_the_planner_rebuilds_it
     assert any(str(v.dtype) == "bfloat16" for v in again.variables)
 
 
-def test_auto_does_not_fuse_updates_of_compact_state(rng):
-    # Weights outweigh activations: float32 Adam fuses, compact state gathers (it keeps less).
+def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng):
+    # Weights outweigh activations: both fuse (backprop waits for the compact updates: they hold less).
     x, y = rng.normal(size=(4, 256)).astype("float32"), rng.normal(size=(4, 256)).astype("float32")
     fused = {}
     for name, opt in (("float32", keras.optimizers.Adam()), ("int8", effgrad.compact_state(keras.optimizers.Adam()))):
@@ -377,4 +385,24 @@ def test_auto_does_not_fuse_updates_of_compact_state(rng):
         step = effgrad.build_train_step(model, "mse", opt)
         step(x, y)
         fused[name] = step.fused
-    assert fused == {"float32": True, "int8": False}
+    assert fused == {"float32": True, "int8": True}
+
+
+def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monkeypatch):
+    # GPT-2's tied table gets a dense gradient with no static shape (a lookup's, densified, plus
+    # the output projection's): the compiled update of its parts takes the table's shape.
+    monkeypatch.setattr(compact, "PART_ELEMENTS", 256)
+    tokens = rng.integers(0, 50, (4, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
+    tables = {}
+    for state in ("float32", "int8"):
+        model = tiny_gpt2_lm(dropout=0.0)
+        opt = keras.optimizers.Adam(0.01)
+        opt = effgrad.compact_state(opt, min_size=256) if state == "int8" else opt
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        step = effgrad.build_train_step(model, loss, opt, fused_loss=False)
+        start = model.backbone.token_embedding.embeddings.numpy()
+        for _ in range(3):
+            step(x, tokens)
+        tables[state] = model.backbone.token_embedding.embeddings.numpy() - start
+    assert np.linalg.norm(tables["int8"] - tables["float32"]) <= 0.03 * np.linalg.norm(tables["float32"])

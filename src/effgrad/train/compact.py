@@ -5,8 +5,9 @@ fine-tuning step whose gradients are consumed in backward
 (``fused_update``) they are the largest thing left. :func:`compact_state`
 returns the same optimizer with each slot stored in 8 or 16 bits; each
 variable's slots are expanded to float32, updated and compressed again
-inside that variable's own update (large variables in parts of rows, one
-after another), so no float32 copy of all slots exists.
+inside that variable's own update (one XLA-compiled loop over parts of
+2^18 numbers, the variables one after another), so no float32 copy of all
+slots exists.
 
 int8 is block-wise (Dettmers et al., "8-bit Optimizers via Block-wise
 Quantization", ICLR 2022): the slot is cut into blocks of ``block_size``
@@ -49,17 +50,19 @@ Trap:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla  # dynamic_update_slice: XLA's in-place write
 
 from effgrad import _checks, _compat
 
 DTYPES = ("int8", "bfloat16")
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
 
-PART_ELEMENTS = 2**20  # large variables are updated this many numbers (4 MiB of float32) at a time
+PART_ELEMENTS = 2**18  # large variables are updated this many numbers (1 MiB of float32) at a time
 
 # Keras's per-variable optimizers: each reads and writes its slots only through
 # `self.assign*` and ops on the slot, which a CompactSlot answers.
@@ -116,10 +119,13 @@ def dequantize(codes: tf.Tensor, scales: tf.Tensor, shape) -> tf.Tensor:
 class CompactSlot:
     """One optimizer slot kept in int8 blocks or bfloat16; reads as float32.
 
-    The optimizer's update reads it like a tensor and writes it through
-    ``assign*``. Within one variable's update the float32 value is kept
-    (the update uses the exact new moment, as bitsandbytes does) and
-    compressed once per write; the optimizer drops it when the update ends.
+    Within one update (:meth:`_CompactState.update_step`) the slot is
+    :meth:`load`-ed with its stored tensors (or a part's), the optimizer's
+    own update reads it like a tensor and writes it through ``assign*``;
+    the update uses the exact new moment (as bitsandbytes does), and
+    :meth:`result` compresses it once at the end. Nothing here touches a
+    variable: reading and writing the storage are :meth:`read` and
+    :meth:`write`, outside the compiled update.
     """
 
     def __init__(self, optimizer, reference, name: str, initializer):
@@ -128,9 +134,7 @@ class CompactSlot:
         self.name = name
         self._mode = optimizer.compact_dtype
         self._block = optimizer.block_size
-        self._owner = optimizer
-        self._current = None
-        self._window = None  # (first row, end row) while a large variable is updated in parts
+        self.forget()
         initializer = keras.initializers.get(initializer)
         zeros = isinstance(initializer, keras.initializers.Zeros)
 
@@ -150,55 +154,49 @@ class CompactSlot:
                 optimizer._add_storage(reference, f"{name}_scales", (blocks,), "float32", initial(1)),
             )
 
+    def read(self) -> tuple:
+        # Read here, in this device's update context: a distributed variable captured by a
+        # tf.function would be read there as its first replica's copy.
+        return tuple(tf.convert_to_tensor(variable) for variable in self._storage)
+
+    def write(self, stored) -> None:
+        for variable, tensor in zip(self._storage, stored):
+            variable.assign(tensor)
+
+    def load(self, stored, shape=None) -> None:
+        """Makes ``stored`` (this slot's tensors, or a part's) the value the update reads."""
+        self._input, self._shape, self._current, self._written = tuple(stored), shape or self.shape, None, False
+
+    def result(self) -> tuple:
+        """The stored form of the slot after the update (its input if the update did not write it)."""
+        if not self._written:
+            return self._input
+        if self._mode == "bfloat16":
+            return (tf.cast(self._current, tf.bfloat16),)
+        return quantize(self._current, self._block)
+
+    def forget(self) -> None:
+        self._input = self._shape = self._current = None
+        self._written = False
+
     def value(self) -> tf.Tensor:
-        """The slot (or its rows in the current window) as float32, kept for the rest of this update."""
+        """The slot as float32, kept for the rest of this update (outside one: its stored value)."""
+        if self._input is None:
+            return self._decode(self.read(), self.shape)
         if self._current is None:
-            # Read here, in this device's update context: a distributed variable passed into
-            # a tf.function would be read there as its first replica's copy.
-            stored = [self._read(variable) for variable in self._storage]
-            if self._mode == "bfloat16":
-                self._current = tf.cast(stored[0], tf.float32)
-            else:
-                self._current = dequantize(*stored, self._window_shape())
-            self._owner._touched.append(self)
+            self._current = self._decode(self._input, self._shape)
         return self._current
 
+    def _decode(self, stored, shape) -> tf.Tensor:
+        if self._mode == "int8":
+            return dequantize(*stored, shape)
+        stored = tf.bitcast(stored[0], tf.bfloat16) if stored[0].dtype == tf.int16 else stored[0]  # see flat()
+        return tf.reshape(tf.cast(stored, tf.float32), shape)
+
     def assign(self, value) -> None:
-        value = tf.cast(tf.convert_to_tensor(value), tf.float32)
-        if self._mode == "bfloat16":
-            stored = (tf.cast(value, tf.bfloat16),)
-        else:
-            stored = quantize(value, self._block)
-        for variable, tensor in zip(self._storage, stored):
-            if self._window is None:
-                variable.assign(tensor)
-            else:
-                variable.value.scatter_update(tf.IndexedSlices(tensor, self._window_indices()))
-        self._owner._stored.extend(stored)
-        if self._current is None:
-            self._owner._touched.append(self)
-        self._current = value
-
-    def _read(self, variable):
-        if self._window is None:
-            return tf.convert_to_tensor(variable)
-        # The window's copy (the read itself aliases the buffer and is gone before the write).
-        return tf.gather(tf.convert_to_tensor(variable), self._window_indices())
-
-    def _window_shape(self):
-        if self._window is None:
-            return self.shape
-        first, last = self._window
-        return (last - first, *self.shape[1:])
-
-    def _window_indices(self):
-        # Storage rows of the window: the variable's rows for bfloat16, int8 blocks otherwise
-        # (windows start on a block boundary; the last one may end in the padding).
-        first, last = self._window
-        if self._mode == "bfloat16":
-            return tf.range(first, last)
-        per_row = math.prod(self.shape[1:])
-        return tf.range(first * per_row // self._block, -(-last * per_row // self._block))
+        if isinstance(value, tf.IndexedSlices):  # Keras's assign of rows
+            value = tf.tensor_scatter_nd_update(self.value(), value.indices[:, None], value.values)
+        self._current, self._written = tf.cast(tf.convert_to_tensor(value), tf.float32), True
 
     def assign_add(self, value) -> None:
         self.assign(self.value() + _dense(value))
@@ -206,9 +204,35 @@ class CompactSlot:
     def assign_sub(self, value) -> None:
         self.assign(self.value() - _dense(value))
 
-    def forget(self) -> None:
-        self._current = None
-        self._window = None
+    # A large variable's update works on its flat parts: these cut and place a part of the storage.
+    def flat(self, stored) -> tuple:
+        """``stored`` as parts are cut from it: int8 codes as they are, bfloat16 flat and viewed as int16.
+
+        int16, because XLA on CPU has no bfloat16 scatter or update-slice of
+        its own: it would convert the whole slot to float32 and back at every part.
+        """
+        if self._mode == "int8":
+            return tuple(stored)
+        return (tf.bitcast(tf.reshape(stored[0], [-1]), tf.int16),)
+
+    def unflat(self, stored) -> tuple:
+        if self._mode == "int8":
+            return tuple(stored)
+        return (tf.reshape(tf.bitcast(stored[0], tf.bfloat16), self.shape),)
+
+    def slice(self, stored, start, size: int) -> tuple:
+        """The stored form of numbers ``[start, start + size)`` (``start`` on a block boundary) of :meth:`flat`."""
+        if self._mode == "bfloat16":
+            return (tf.slice(stored[0], [start], [size]),)
+        first, blocks = start // self._block, -(-size // self._block)
+        return tf.slice(stored[0], [first, 0], [blocks, self._block]), tf.slice(stored[1], [first], [blocks])
+
+    def place(self, stored, part, start) -> tuple:
+        """:meth:`flat` ``stored`` with the part that :meth:`slice` cut at ``start`` replaced by ``part``."""
+        if self._mode == "bfloat16":
+            return (_place(stored[0], tf.bitcast(tf.reshape(part[0], [-1]), tf.int16), [start]),)
+        first = start // self._block
+        return _place(stored[0], part[0], [first, 0]), _place(stored[1], part[1], [first])
 
     def __tf_tensor__(self, dtype=None, name=None):
         value = self.value()
@@ -249,26 +273,34 @@ class CompactSlot:
         return self.value() ** other
 
 
-class _Rows:
-    """Rows ``[first, end)`` of a model variable, read and written in place (gather and scatter)."""
+def _place(whole, part, offsets):
+    # `part` written into `whole` at `offsets`: in place inside XLA's loop (an update-slice; a
+    # scatter of numbers would be a copy per number).
+    return xla.dynamic_update_slice(whole, part, offsets)
 
-    def __init__(self, variable, first: int, end: int):
-        self.parent = variable
-        self.dtype = variable.dtype
-        self.shape = (end - first, *variable.shape[1:])
-        self._indices = tf.range(first, end)
+
+class _Part:
+    """A model variable's new value (or a flat part of it), as the optimizer's update writes it.
+
+    Keras's update reads it like the variable and writes it with ``assign*``;
+    the value is returned by the compiled update and assigned to the
+    variable once (a dense write: row writes would put the variable in
+    TensorFlow's copy-on-read mode, where every later read copies it).
+    """
+
+    def __init__(self, variable, value):
+        self.parent, self.value = variable, value
+        self.dtype, self.shape = variable.dtype, tuple(value.shape)
 
     def __tf_tensor__(self, dtype=None, name=None):
-        value = self.parent.sparse_read(self._indices)
-        return value if dtype is None else tf.cast(value, dtype)
+        return self.value if dtype is None else tf.cast(self.value, dtype)
 
     def write(self, method: str, value) -> None:
         value = tf.cast(_dense(value), self.dtype)
-        getattr(self.parent, method)(tf.IndexedSlices(value, self._indices))
+        self.value = value if method == "assign" else getattr(tf.math, _ARITHMETIC[method])(self.value, value)
 
 
-# Keras's assign* on rows of a weight, as in-place row writes.
-_SCATTER = {"assign": "scatter_update", "assign_add": "scatter_add", "assign_sub": "scatter_sub"}
+_ARITHMETIC = {"assign_add": "add", "assign_sub": "subtract"}
 
 
 def _dense(value):
@@ -288,9 +320,9 @@ class _CompactState:
         self.compact_dtype = compact_dtype
         self.block_size = int(block_size)
         self.min_size = min_size
-        # Per variable update, the slots it expanded and what it stored; then, per device, what the
-        # last update stored (the next one waits for it). Not state: kept out of tracking.
-        self.__dict__.update(_touched=[], _stored=[], _chain={}, _chain_graph=None, _slots_of={})
+        # Per device, what the last update produced (the next one waits for it); the compiled
+        # update of each variable. Not state: kept out of tracking.
+        self.__dict__.update(_chain={}, _chain_graph=None, _slots_of={}, _compiled={})
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         size = math.prod(reference_variable.shape)
@@ -323,63 +355,118 @@ class _CompactState:
         return super().apply(list(grads)[::-1], variables[::-1])
 
     def update_step(self, gradient, variable, learning_rate):
-        """The optimizer's update, in parts of rows for large variables, each after the previous.
+        """The optimizer's own update of ``variable``, its compact slots expanded only inside it.
 
-        Expanded to float32, one update holds about seven copies of its slots' size (old and
-        new moments, the gradient's square, the step); a 16 MiB kernel's would outweigh its
-        int8 state. Elementwise optimizers update rows ``[first, end)`` at a time instead.
+        A dense gradient of an elementwise optimizer is applied by one
+        XLA-compiled function per variable: a loop over flat parts of
+        ``PART_ELEMENTS`` numbers that expands each part's slots, runs the
+        optimizer's update on it and compresses them again, fused into a few
+        passes over memory. Other updates (a sparse gradient, whose repeated
+        rows Keras treats its own way; Adafactor, Lamb) run whole, op by op.
+        Updates run one after another, each after its gradient exists.
         """
-        parts = self._parts(gradient, variable)
-        if not parts:
-            return self._update_part(gradient, variable, learning_rate)
-        slots = self._slots_of[self._var_key(variable)]
-        for first, end in parts:
-            for slot in slots:
-                slot._window = (first, end)
-            self._update_part(gradient[first:end], _Rows(variable, first, end), learning_rate)
-        for slot in slots:  # also those this optimizer's update did not touch
-            slot.forget()
+        slots = self._slots_of.get(self._var_key(variable))
+        if not slots:
+            return super().update_step(gradient, variable, learning_rate)
+        whole = isinstance(gradient, tf.IndexedSlices) or self._base not in ELEMENTWISE
+        with self._after_previous(gradient, variable):
+            stored = [slot.read() for slot in slots]
+            value = None if whole else tf.convert_to_tensor(variable)
+        if whole:
+            # In place on the variable (Keras's scatter of rows), the slots written once.
+            stored = self._update(gradient, variable, learning_rate, slots, stored)
+            produced = [tensor for part in stored for tensor in part]
+        else:
+            update = self._compiled_update(variable, slots)
+            value, stored = update(gradient, value, tf.convert_to_tensor(learning_rate), stored)
+            self.assign(variable, value)  # one dense write (see _Part)
+            produced = [value]
+        for slot, part in zip(slots, stored):
+            slot.write(part)
+        if not tf.executing_eagerly():
+            self._chain[self._device(variable)] = produced
 
-    def _parts(self, gradient, variable) -> list[tuple[int, int]]:
-        """Row ranges to update one after another, or ``[]``: the variable at once."""
-        if (
-            self._base not in ELEMENTWISE
-            or isinstance(gradient, tf.IndexedSlices)
-            or math.prod(variable.shape) <= PART_ELEMENTS
-            or self._var_key(variable) not in self._slots_of
-        ):
-            return []
-        per_row, rows = math.prod(variable.shape[1:]), variable.shape[0]
-        # Whole int8 blocks per part: a part's first row starts a block.
-        align = 1 if self.compact_dtype == "bfloat16" else self.block_size // math.gcd(per_row, self.block_size)
-        step = max(align, PART_ELEMENTS // per_row // align * align)
-        return [(first, min(first + step, rows)) for first in range(0, rows, step)] if step < rows else []
-
-    def _update_part(self, gradient, variable, learning_rate):
+    def _update(self, gradient, variable, learning_rate, slots, stored, shape=None):
+        """Keras's update of ``variable`` with each slot loaded from ``stored``; the slots' new stored form."""
+        for slot, part in zip(slots, stored):
+            slot.load(part, shape)
         try:
-            if tf.executing_eagerly():
-                return super().update_step(gradient, variable, learning_rate)
-            graph = tf.compat.v1.get_default_graph()
-            if self._chain_graph is not graph:
-                self._chain.clear()
-                self.__dict__["_chain_graph"] = graph
-            device = getattr(variable, "device", None) or getattr(variable.parent, "device", "")
-            # After its gradient (expanding a slot needs only the slot: it could otherwise run at
-            # once, before backprop) and after the previous part on this device stored its slots.
-            ready = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-            with tf.control_dependencies([ready, *self._chain.get(device, [])]):
-                super().update_step(gradient, variable, learning_rate)
-            if self._stored:
-                self._chain[device] = list(self._stored)
+            super().update_step(gradient, variable, learning_rate)
+            return [slot.result() for slot in slots]
         finally:
-            # The float32 values belong to this part's update (and this graph).
-            for slot in self._touched:
+            for slot in slots:
                 slot.forget()
-            self._touched.clear()
-            self._stored.clear()
+
+    def _compiled_update(self, variable, slots):
+        key = self._var_key(variable)
+        if key not in self._compiled:
+
+            def update(gradient, value, learning_rate, stored):
+                return self._update_in_parts(gradient, variable, value, learning_rate, slots, stored)
+
+            self._compiled[key] = tf.function(update, jit_compile=True, autograph=False)
+        return self._compiled[key]
+
+    def _update_in_parts(self, gradient, variable, value, learning_rate, slots, stored):
+        """``(new value, new stored slots)``: the variable updated ``PART_ELEMENTS`` numbers at a time.
+
+        An elementwise update of each number depends on that number alone, so
+        parts of the flat variable give the whole update. Inside XLA's loop
+        each part is read from the inputs and written in place into new
+        buffers (reading the buffer the loop writes would make XLA copy it
+        whole at every part): only one part's float32 slots exist at a time.
+        """
+        size = math.prod(variable.shape)
+        if size <= PART_ELEMENTS:
+            target = _Part(variable, value)
+            stored = self._update(gradient, target, learning_rate, slots, stored)
+            return target.value, stored
+        # A densified embedding gradient has no static shape: the variable's is its own.
+        value, gradient = tf.reshape(value, [-1]), tf.reshape(gradient, [-1])
+        stored = [slot.flat(s) for slot, s in zip(slots, stored)]
+        part = max(self.block_size, PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
+
+        def one(start, length, new_value, new_stored):
+            target = _Part(variable, tf.slice(value, [start], [length]))
+            pieces = [slot.slice(s, start, length) for slot, s in zip(slots, stored)]
+            piece_gradient = tf.slice(gradient, [start], [length])
+            pieces = self._update(piece_gradient, target, learning_rate, slots, pieces, (length,))
+            new_stored = [slot.place(s, p, start) for slot, s, p in zip(slots, new_stored, pieces)]
+            return _place(new_value, target.value, [start]), new_stored
+
+        def body(i, new_value, new_stored):
+            return (i + 1, *one(i * part, part, new_value, new_stored))
+
+        full = size // part
+        new_value, new_stored = tf.identity(value), tf.nest.map_structure(tf.identity, stored)
+        if full:  # (XLA checks the body's slices against the shapes even if it never runs)
+            _, new_value, new_stored = tf.while_loop(
+                lambda i, *_: i < full, body, (tf.constant(0), new_value, new_stored)
+            )
+        if size % part:
+            new_value, new_stored = one(full * part, size % part, new_value, new_stored)
+        return tf.reshape(new_value, variable.shape), [slot.unflat(s) for slot, s in zip(slots, new_stored)]
+
+    def _after_previous(self, gradient, variable):
+        """In a graph: after ``gradient`` exists and after the previous update on this device.
+
+        Expanding a slot needs only the slot: it could otherwise run at once, before backprop.
+        """
+        if tf.executing_eagerly():
+            return contextlib.nullcontext()
+        graph = tf.compat.v1.get_default_graph()
+        if self._chain_graph is not graph:
+            self._chain.clear()
+            self.__dict__["_chain_graph"] = graph
+        ready = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        return tf.control_dependencies([ready, *self._chain.get(self._device(variable), [])])
+
+    @staticmethod
+    def _device(variable) -> str:
+        return getattr(variable, "device", "") or ""
 
     def _get_variable_index(self, variable):
-        return super()._get_variable_index(variable.parent if isinstance(variable, _Rows) else variable)
+        return super()._get_variable_index(variable.parent if isinstance(variable, _Part) else variable)
 
     def assign(self, variable, value):
         return self._write("assign", variable, value)
@@ -391,13 +478,11 @@ class _CompactState:
         return self._write("assign_sub", variable, value)
 
     def _write(self, method: str, variable, value):
-        """Keras's ``assign*``, routed to the part of a weight or the compact slot it names."""
-        if isinstance(variable, _Rows):
-            return variable.write(_SCATTER[method], value)
+        """Keras's ``assign*``, routed to the new value of a weight or the compact slot it names."""
         if isinstance(variable, CompactSlot):
-            if method == "assign" and isinstance(value, tf.IndexedSlices):
-                value = tf.tensor_scatter_nd_update(variable.value(), value.indices[:, None], value.values)
             return getattr(variable, method)(value)
+        if isinstance(variable, _Part):
+            return variable.write(method, value)
         return getattr(super(), method)(variable, value)
 
     def get_config(self):

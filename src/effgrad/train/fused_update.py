@@ -23,13 +23,12 @@ the price is one more backward pass. Pass 2 runs inside a ``tf.cond`` on the
 flags, so neither Grappler nor XLA merges it with pass 1 (which would gather
 the gradients again).
 
-Trap:
-    Nothing makes backprop wait for the updates: the saving comes from
-    TensorFlow's executor running each update as soon as its gradient exists.
-    With one inter-op thread it runs the whole backward pass first and holds
-    every gradient (measured: 48.3 MiB, as gathered, against 36.5 MiB with the
-    default threads on 6 Dense 1024x1024); on a loaded machine backprop may
-    run one or two gradients ahead.
+Backprop waits for the updates (:func:`pace`): each gradient is made only
+once the update of the variable two before it (in backprop's order) has
+written. Without it the executor may run the whole backward pass ahead of
+the updates and hold every gradient: with one inter-op thread it did (Adam,
+6 Dense 1024x1024: 120.3 MiB as gathered; paced 80.8), and slow updates
+(compact state) lost the race on any number of threads.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
 
     ``"auto"`` fuses when the gradients outweigh 4x the batch's layer outputs
     (from the layer graph; a sequence model's unknown axes counted as the
-    batch's ``T``) and the optimizer's state is not compact.
+    batch's ``T``).
     """
     options = train_step.options
     option = options.fused_update
@@ -76,11 +75,7 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
         return False
     if option is True:
         return True
-    if hint is None or getattr(train_step.optimizer, "compact_dtype", None):
-        # Compact state: the updates run one after another (each expands its slots), and
-        # backprop runs ahead of them holding the gradients: measured, the fused step then
-        # keeps as much as the gathered one, for a second backward pass
-        # (benchmarks/compact_state.py).
+    if hint is None:
         return False
     rows, extent = hint
     per_row = graph.activation_bytes_per_row(train_step.model, unknown=extent)  # a sequence: T per unknown axis
@@ -156,11 +151,15 @@ def _step(train_step, x, y, sample_weight) -> dict:
         has_weight = normalizer > 0
 
     def apply():
-        second = loss_grads(accumulate.dense(tape.gradient(target, trained)))
+        raw = accumulate.dense(tape.gradient(target, trained))
+        second = loss_grads(raw)
         final = update.Update(second, regularizer_grads(second), factor=factor)
         grads = [final.gradient(j, clip) for j in range(len(second))]
+        graph = tf.compat.v1.get_default_graph()
+        known = len(graph.get_operations())
         with _compat.gradients_already_reduced(train_step.optimizer):
             train_step.optimizer.apply(grads, trained)
+        pace(raw, grads, graph.get_operations()[known:])
         for variable, value in commit:
             variable.assign(value)
         return tf.constant(True)
@@ -171,3 +170,85 @@ def _step(train_step, x, y, sample_weight) -> dict:
     with tf.control_dependencies([updated]):
         loss = tf.identity(objective_lib.normalize(total, normalizer, reduction) + reg_loss)
         return {"loss": loss, "loss_scale": tf.identity(loss_scale.value), "grads_finite": finite}
+
+
+LAG = 2  # a gradient is made once the update of the variable two before it (in backprop's order) is done
+
+
+def pace(raw: list, grads: list, update_ops: list) -> None:
+    """Makes backprop wait for the updates: each gradient is made after an earlier one's update.
+
+    Without it the executor is free to run the whole backward pass ahead of
+    slow updates (one inter-op thread, compact state, a loaded machine) and
+    hold every gradient, as the gathered step does. Variables are taken in
+    backprop's order (the reverse of the model's); the op that makes the
+    gradient of the variable at position ``p`` gets a control input on the
+    writes of the update of position ``p - LAG``. Nothing is added where it
+    could deadlock: when that update depends on the gradient it would delay
+    (an optimizer that reads every gradient before any update).
+
+    Args:
+        raw: The tape's gradients (``None`` where unconnected), in the variables' order.
+        grads: The gradients handed to the optimizer, same order.
+        update_ops: The ops the optimizer's ``apply`` created.
+    """
+    if tf.executing_eagerly():  # op by op: the tape has made every gradient already
+        return
+    writes = _writes_per_gradient(grads, update_ops)
+    order = [j for j in reversed(range(len(raw))) if raw[j] is not None and writes.get(j)]
+    for p in range(LAG, len(order)):
+        maker, done = raw[order[p]].op, writes[order[p - LAG]]
+        if maker.graph is done[0].graph and not _depends_on(done, maker):
+            maker._add_control_input(done[0] if len(done) == 1 else tf.group(*done))
+
+
+def _writes_per_gradient(grads: list, update_ops: list) -> dict:
+    """``{j: [variable writes of the update made from grads[j]]}``, among the ops ``apply`` created.
+
+    Downstream of the gradient, and of what those writes wrote: Keras's Adam
+    writes its moments from the gradient, then reads them again (a new read,
+    ordered after the write only when the function is finished) to write the
+    variable.
+    """
+    created = {id(op) for op in update_ops}
+    users = {}  # a resource handle -> the created ops that take it
+    for op in update_ops:
+        for tensor in op.inputs:
+            if tensor.dtype == tf.resource:
+                users.setdefault(id(tensor), []).append(op)
+    found = {}
+    for j, gradient in enumerate(grads):
+        if gradient is None:
+            continue
+        seen, stack, writes = set(), [gradient.op], []
+        while stack:
+            op = stack.pop()
+            following = [c for out in op.outputs for c in out.consumers()]
+            if _is_write(op):
+                writes.append(op)
+                following += users.get(id(op.inputs[0]), [])
+            for consumer in following:
+                if id(consumer) in created and id(consumer) not in seen:
+                    seen.add(id(consumer))
+                    stack.append(consumer)
+        found[j] = writes
+    return found
+
+
+def _is_write(op) -> bool:
+    kind = op.type
+    return (kind.startswith("Assign") and kind.endswith("VariableOp")) or kind.startswith("ResourceScatter")
+
+
+def _depends_on(ops: list, target) -> bool:
+    """Whether any of ``ops`` has ``target`` among its ancestors (data or control)."""
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op is target:
+            return True
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append(parent)
+    return False
