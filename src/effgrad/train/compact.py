@@ -320,8 +320,8 @@ class _CompactState:
         self.compact_dtype = compact_dtype
         self.block_size = int(block_size)
         self.min_size = min_size
-        # Per device, what the last update produced (the next one waits for it); the compiled
-        # update of each variable. Not state: kept out of tracking.
+        # Per device, what the last whole update produced (the next one waits for it); the
+        # compiled update of each variable. Not state: kept out of tracking.
         self.__dict__.update(_chain={}, _chain_graph=None, _slots_of={}, _compiled={})
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
@@ -342,11 +342,9 @@ class _CompactState:
     def apply(self, grads, trainable_variables=None):
         """Keras's ``apply``, updating the variables from the last to the first.
 
-        Each update expands its variable's slots to float32; run side by side
-        (nothing orders them in a graph), they would all be expanded at once.
-        :meth:`update_step` chains them, and last-to-first is the order in
-        which backprop produces gradients (``fused_update`` updates each as
-        its gradient arrives).
+        Last-to-first is the order in which backprop produces gradients
+        (``fused_update`` updates each as its gradient arrives), and the
+        order in which :meth:`update_step` chains the updates it runs whole.
         """
         variables = _compat.built_for(self) if trainable_variables is None else list(trainable_variables)
         if not self.built:
@@ -362,29 +360,27 @@ class _CompactState:
         ``PART_ELEMENTS`` numbers that expands each part's slots, runs the
         optimizer's update on it and compresses them again, fused into a few
         passes over memory. Other updates (a sparse gradient, whose repeated
-        rows Keras treats its own way; Adafactor, Lamb) run whole, op by op.
-        Updates run one after another, each after its gradient exists.
+        rows Keras treats its own way; Adafactor, Lamb) run whole, op by op,
+        one after another. Each runs after its gradient exists.
         """
         slots = self._slots_of.get(self._var_key(variable))
         if not slots:
             return super().update_step(gradient, variable, learning_rate)
         whole = isinstance(gradient, tf.IndexedSlices) or self._base not in ELEMENTWISE
-        with self._after_previous(gradient, variable):
+        with self._after_previous(gradient, variable, chained=whole):
             stored = [slot.read() for slot in slots]
             value = None if whole else tf.convert_to_tensor(variable)
         if whole:
             # In place on the variable (Keras's scatter of rows), the slots written once.
             stored = self._update(gradient, variable, learning_rate, slots, stored)
-            produced = [tensor for part in stored for tensor in part]
+            if not tf.executing_eagerly():
+                self._chain[self._device(variable)] = [tensor for part in stored for tensor in part]
         else:
             update = self._compiled_update(variable, slots)
             value, stored = update(gradient, value, tf.convert_to_tensor(learning_rate), stored)
             self.assign(variable, value)  # one dense write (see _Part)
-            produced = [value]
         for slot, part in zip(slots, stored):
             slot.write(part)
-        if not tf.executing_eagerly():
-            self._chain[self._device(variable)] = produced
 
     def _update(self, gradient, variable, learning_rate, slots, stored, shape=None):
         """Keras's update of ``variable`` with each slot loaded from ``stored``; the slots' new stored form."""
@@ -447,10 +443,15 @@ class _CompactState:
             new_value, new_stored = one(full * part, size % part, new_value, new_stored)
         return tf.reshape(new_value, variable.shape), [slot.unflat(s) for slot, s in zip(slots, new_stored)]
 
-    def _after_previous(self, gradient, variable):
-        """In a graph: after ``gradient`` exists and after the previous update on this device.
+    def _after_previous(self, gradient, variable, chained: bool):
+        """In a graph: after ``gradient`` exists and, if ``chained``, after the previous whole update.
 
         Expanding a slot needs only the slot: it could otherwise run at once, before backprop.
+        A whole update (op by op) expands all of its slots, several float32 copies of them:
+        those run one after another on each device. A compiled update holds its variable's new
+        value and one part's slots, less than Keras's own float32 Adam update does, and runs
+        beside the others: measured (8 Dense 2048x2048, int8 Adam, gathered step), chained
+        0.170 s and 373 MiB, side by side 0.130 s and 391 MiB.
         """
         if tf.executing_eagerly():
             return contextlib.nullcontext()
@@ -459,7 +460,8 @@ class _CompactState:
             self._chain.clear()
             self.__dict__["_chain_graph"] = graph
         ready = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-        return tf.control_dependencies([ready, *self._chain.get(self._device(variable), [])])
+        previous = self._chain.get(self._device(variable), []) if chained else []
+        return tf.control_dependencies([ready, *previous])
 
     @staticmethod
     def _device(variable) -> str:
