@@ -297,10 +297,10 @@ class _Part:
 
     def write(self, method: str, value) -> None:
         value = tf.cast(_dense(value), self.dtype)
-        self.value = value if method == "assign" else getattr(tf.math, _ARITHMETIC[method])(self.value, value)
+        self.value = _WRITES[method](self.value, value)
 
 
-_ARITHMETIC = {"assign_add": "add", "assign_sub": "subtract"}
+_WRITES = {"assign": lambda old, new: new, "assign_add": tf.add, "assign_sub": tf.subtract}
 
 
 def _dense(value):
