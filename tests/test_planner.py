@@ -2,6 +2,7 @@
 
 import json
 import textwrap
+import types
 
 import keras
 import numpy as np
@@ -90,7 +91,7 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     assert plain.fits and roomy.seconds_per_step <= 1.1 * min(c.seconds for c in measured.values() if c.fits)
     if (roomy.micro_batches, roomy.segments) != (1, None):  # it fits: only a clearly faster one replaces it
         fastest = min(c.seconds for c in measured.values() if c.fits)
-        assert plain.seconds > planner._SAME_SPEED * fastest, roomy
+        assert not planner.same_speed(plain.seconds, fastest), roomy
     plain = plain.measured_bytes
     smallest = min(c.measured_bytes for c in roomy.table if c.measured_bytes)
     assert smallest < 0.75 * plain, roomy  # room to plan in between
@@ -107,6 +108,18 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     assert max(peaks.values()) <= budget, (peaks, budget, str(planned))
     text = str(planned)
     assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text and "over budget" in text
+
+
+def test_a_faster_configuration_replaces_the_plain_step_only_beyond_timing_noise():
+    def best(plain_seconds, micro_seconds):
+        table = [planner.Candidate(1, seconds=plain_seconds, fits=True),
+                 planner.Candidate(2, seconds=micro_seconds, fits=True)]  # fmt: skip
+        chosen = planner._Planner.best(types.SimpleNamespace(candidates={c.key: c for c in table}))
+        return chosen.micro_batches
+
+    assert best(0.0012, 0.0010) == 1  # 1 ms steps: 20% is dispatch jitter (this flaked in CI)
+    assert best(0.104, 0.100) == 1  # within 5%
+    assert best(0.200, 0.100) == 2  # clearly faster
 
 
 def test_planned_step_is_still_the_full_batch_update(rng):
