@@ -34,6 +34,23 @@ def _bn_dropout_model(seed=0):
     )
 
 
+def _shared_layer_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    shared = keras.layers.Dense(5, activation="tanh")
+    return keras.Model(inputs, keras.layers.Dense(3)(shared(shared(inputs))))  # one weight, two uses in sequence
+
+
+def _tied_embedding_model(seed=0):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((None,), dtype="int32")
+    embedding = keras_hub.layers.ReversibleEmbedding(9, 6)
+    h = keras.layers.Dense(6, activation="tanh")(embedding(tokens))
+    return keras.Model(tokens, embedding(h, reverse=True))  # one table: a gather and a matmul
+
+
 def _state(model, optimizer):
     return [v.numpy().copy() for v in [*model.variables, *optimizer.variables]]
 
@@ -60,6 +77,13 @@ CASES = {
     ),
     "lion-static-scale": (mlp, lambda: keras.optimizers.Lion(0.01), {"loss_scale": 128.0}, "dense"),
     "rmsprop-sum": (mlp, lambda: keras.optimizers.RMSprop(0.01), {"reduction": "sum"}, "dense"),
+    "adam-shared-layer": (_shared_layer_model, lambda: keras.optimizers.Adam(0.05), {}, "dense"),
+    "sgd-tied-embedding": (
+        _tied_embedding_model,
+        lambda: keras.optimizers.SGD(0.5),
+        {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        "tokens",
+    ),
 }
 
 
@@ -109,6 +133,57 @@ def test_fused_update_equals_a_plain_tape_in_eager_too(rng):
         tf.config.run_functions_eagerly(False)
     assert step.fused
     assert_variables_close(model.trainable_variables, reference.trainable_variables, rtol=1e-5, atol=1e-6)
+
+
+class _CountsBackprop(keras.layers.Layer):
+    """The identity, counting how many times backprop passes through it."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, dtype="int32")
+
+    def call(self, x):
+        @tf.custom_gradient
+        def counted(x):
+            def grad(dy):
+                with tf.control_dependencies([self.count.assign_add(1)]):
+                    return tf.identity(dy)
+
+            return tf.identity(x), grad
+
+        return counted(x)
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_fused_step_runs_the_activation_chain_of_backprop_once(rng, clip_norm):
+    # Pass 2 makes each weight gradient from the output gradients pass 1 kept: it does not
+    # backprop through the layers again (which doubled the fused step's backward time).
+    keras.utils.set_random_seed(0)
+    counter = _CountsBackprop()
+    layers = [keras.layers.Dense(8, activation="tanh"), counter, keras.layers.Dense(3)]
+    model = keras.Sequential([keras.Input((5,)), *layers])
+    step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(0.01), fused_update=True, clip_norm=clip_norm)
+    x, y = rng.normal(size=(6, 5)).astype("float32"), rng.normal(size=(6, 3)).astype("float32")
+    before = [v.numpy() for v in model.trainable_variables]
+    assert bool(step(x, y)["grads_finite"]) and int(counter.count.numpy()) == 1
+    assert all(not np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+
+
+def test_a_checkpointed_model_fused_equals_the_plain_gathered_step(rng):
+    # Its weights are used inside recomputed blocks, where the tape keeps no output gradient:
+    # the fused step must see that and backprop twice, not drop those weights' gradients.
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((5,))] + [keras.layers.Dense(6, activation="tanh") for _ in range(4)] + [keras.layers.Dense(3)]
+        )
+
+    x, y = rng.normal(size=(8, 5)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    plain, checkpointed = make(), effgrad.checkpoint_model(make(), segments=2)
+    for model, fused in [(plain, False), (checkpointed, True)]:
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(0.05), fused_update=fused)
+        for _ in range(2):
+            step(x, y)
+    assert_variables_close(checkpointed.trainable_variables, plain.trainable_variables, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
@@ -242,12 +317,12 @@ def test_pacing_adds_no_edge_that_could_deadlock():
         known = len(graph.get_operations())
         norm = tf.add_n([tf.reduce_sum(g**2) for g in made])
         _ = [v.assign_sub(g * norm, read_value=False) for v, g in zip((a, b, c), made)]
-        fused_update.pace(made, made, graph.get_operations()[known:])
+        fused_update.pace([[g.op] for g in made], made, graph.get_operations()[known:])
         assert all(not g.op.control_inputs for g in made)  # every update reads every gradient
         independent = [tf.identity(tf.ones([2])) for _ in range(3)]
         known = len(graph.get_operations())
         writes = [v.assign_sub(g, read_value=False) for v, g in zip((a, b, c), independent)]
-        fused_update.pace(independent, independent, graph.get_operations()[known:])
+        fused_update.pace([[g.op] for g in independent], independent, graph.get_operations()[known:])
         # Backprop's order is the reverse of the variables': the first gradient waits for the last update.
         assert independent[0].op.control_inputs == [writes[2]]
         assert not independent[1].op.control_inputs and not independent[2].op.control_inputs

@@ -78,13 +78,13 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep | PlannedTr
               :func:`effgrad.train.fused_loss.readers_of_logits`).
             * ``fused_update``: with one micro-batch on one replica, apply each
               variable's update as backprop makes its gradient instead of
-              gathering every gradient first (LOMO's two backward passes: the
-              first only decides finiteness and the clip norm, so a skipped
-              step still changes nothing). ``"auto"`` (default) fuses when the
-              gradients outweigh the activations (fine-tuning: the peak drops
-              to Keras's, for a second backward pass) and the optimizer's
-              state is not compact (:func:`effgrad.compact_state`, whose
-              updates backprop outruns); ``True`` always, ``False`` never.
+              gathering every gradient first (two passes over one backward:
+              the first decides finiteness and the clip norm, so a skipped
+              step still changes nothing; the second makes each weight
+              gradient from the output gradients the first kept, see
+              :mod:`effgrad.train.fused_update`). ``"auto"`` (default) fuses
+              when the gradients outweigh the activations (fine-tuning: the
+              peak drops below Keras's); ``True`` always, ``False`` never.
               ``step.fused`` says what was chosen.
             * ``fused_loss``: when the model ends in a projection (a linear
               ``Dense``, keras_hub's reversed ``ReversibleEmbedding``) and the

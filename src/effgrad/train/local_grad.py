@@ -1,0 +1,190 @@
+"""Weight gradients from the gradients of the ops that use the weights, one variable at a time.
+
+Backprop makes two kinds of gradients: those of the activations (the chain
+``dz`` that runs from the loss back to the inputs) and those of the weights
+(``dW = x^T dz`` for a Dense layer: half of backprop's work). Where each
+weight meets the forward pass -- its *use*: the first op that computes with
+it rather than viewing it (a ``MatMul``, not the ``Cast`` or ``Reshape`` on
+the way) -- its gradient is the use's own gradient function applied to
+``dz``, the gradient of the use's output::
+
+    dW = sum over the uses u of W:  view_back(grad_u(dz_u)[the weight's input])
+
+Two passes over one backward (the fused step, see ``fused_update``) can then
+share the activation chain: the first computes every ``dz`` (activation-
+sized, small where weights dominate) and the finiteness of every ``dW``
+without making it where a bound suffices; the second makes each ``dW`` from
+the kept ``dz`` only when its update is about to run.
+
+The bound (``finite_bound``): a bilinear use (``MatMul``, ``BatchMatMul``,
+``Einsum``, ``Conv2D``; a gather, whose ``dW`` sums rows of ``dz``) sums at most ``K`` products of one input element and
+one ``dz`` element per weight element, so every element of ``dW`` is below
+``K * max|x| * max|dz|`` and the float32 sum of ``dW`` below ``size(W)``
+times that. When the inputs are finite and the bound is far below the
+dtype's largest number, ``dW`` is finite and so is its sum: the same verdict
+as ``is_finite(reduce_sum(dW))``, without the matmul. Otherwise (float16
+under a large loss scale, huge activations) ``dW`` is made and checked.
+
+Trap:
+    The *direct* gradient of each use is what counts. ``tape.gradient(z, W,
+    output_gradients=dz)`` over several uses of one weight (a layer called
+    twice in sequence) would follow the path from the second use back
+    through the first and count it twice; each use's own gradient function
+    does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops
+
+from effgrad.train import accumulate
+
+__all__ = ["Use", "uses_of", "weight_gradient", "finite_bound"]
+
+# Ops that only view a weight (its values, reshaped, transposed or cast): its use is further on.
+_VIEWS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
+# Ops that read a variable's handle without computing with its values.
+_NOT_USES = frozenset({"VariableShape", "VarIsInitializedOp"})
+_GATHERS = frozenset({"GatherV2", "ResourceGather"})
+# Bilinear ops: terms summed per weight element, as a function of (size of the other input, size of dz).
+_TERMS = {
+    "MatMul": lambda other, dz: dz,  # dW[i, j] = sum over rows b of x[b, i] dz[b, j]
+    "BatchMatMulV2": lambda other, dz: dz,
+    "BatchMatMulV3": lambda other, dz: dz,
+    "Conv2D": lambda other, dz: dz,  # sum over (batch, output row, output column)
+    "Einsum": lambda other, dz: other + dz,  # any equation: distinct (x, dz) element pairs (logs: a product)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One op computing with a variable: ``op.inputs[index]`` is the variable seen through ``views``."""
+
+    op: tf.Operation
+    index: int
+    views: tuple  # the view ops from the variable's read to ``op``, in forward order
+
+    @property
+    def output(self) -> tf.Tensor:
+        return self.op.outputs[0]
+
+
+def _handle(variable):
+    if not isinstance(variable, tf.Variable):
+        variable = getattr(variable, "value", None)  # a Keras variable wraps a tf.Variable
+    return getattr(variable, "handle", None)
+
+
+def uses_of(forward_ops: list, variables: list) -> list[list[Use]] | None:
+    """Every variable's uses among ``forward_ops`` (ops of one graph), or None where that cannot be told.
+
+    None when a variable is read by something else than a read or a gather
+    (a loop or a recomputed block that reads it inside its own function),
+    when a use has several outputs, or when a large variable's use outputs
+    as much as the variable itself (its ``dz`` is no smaller than ``dW``).
+    """
+    if not forward_ops:
+        return None
+    graph = forward_ops[0].graph
+    index = {}
+    for i, variable in enumerate(variables):
+        handle = _handle(variable)
+        if handle is None:
+            return None
+        index[id(handle)] = i
+    inner = {id(internal): index[id(external)] for external, internal in graph.captures if id(external) in index}
+    inside = {id(op) for op in forward_ops}
+    found = [[] for _ in variables]
+    for op in forward_ops:
+        for k, tensor in enumerate(op.inputs):
+            i = inner.get(id(tensor))
+            if i is None or op.type in _NOT_USES:
+                continue
+            if op.type == "ResourceGather":  # an embedding lookup straight from the handle
+                found[i].append(Use(op, k, ()))
+            elif op.type == "ReadVariableOp":
+                found[i].extend(_uses_after(op.outputs[0], (), inside))
+            else:
+                return None
+    for variable, uses in zip(variables, found):
+        size = math.prod(variable.shape)
+        for use in uses:
+            if len(use.op.outputs) != 1 or not use.output.dtype.is_floating:
+                return None
+            rows = math.prod(d or 1 for d in use.output.shape) if use.output.shape.rank is not None else 0
+            if size >= 2**16 and rows >= size:
+                return None
+    return found
+
+
+def _uses_after(tensor, views: tuple, inside: set) -> list[Use]:
+    uses = []
+    for consumer in tensor.consumers():
+        if id(consumer) not in inside:
+            continue
+        if consumer.type in _VIEWS:
+            uses += _uses_after(consumer.outputs[0], (*views, consumer), inside)
+        else:
+            uses += [Use(consumer, k, views) for k, t in enumerate(consumer.inputs) if t is tensor]
+    return uses
+
+
+def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
+    """``dW`` (dense) from the gradients of the uses' outputs (``{id(output): dz}``; None where missing)."""
+    parts = []
+    for use in uses:
+        dz = output_grads.get(id(use.output))
+        if dz is None:
+            continue
+        grad = tf_ops.get_gradient_function(use.op)(use.op, tf.convert_to_tensor(dz))
+        grad = grad[use.index] if isinstance(grad, (list, tuple)) else grad
+        for view in reversed(use.views):
+            if grad is None:
+                break
+            grad = tf_ops.get_gradient_function(view)(view, tf.convert_to_tensor(grad))
+            grad = grad[0] if isinstance(grad, (list, tuple)) else grad
+        if grad is not None:
+            parts.append(accumulate.dense([grad])[0])
+    if not parts:
+        return None
+    return tf.add_n([tf.cast(p, parts[0].dtype) for p in parts]) if len(parts) > 1 else parts[0]
+
+
+def finite_bound(uses: list[Use], output_grads: dict, size: int) -> tf.Tensor | None:
+    """True where ``dW`` is surely finite and sums finitely (see the module docstring); None if a use has no bound.
+
+    A False is no verdict: the caller makes ``dW`` and checks it.
+    """
+    checks, logs = [], []
+    for use in uses:
+        dz = output_grads.get(id(use.output))
+        if dz is None:
+            continue
+        if isinstance(dz, tf.IndexedSlices):
+            return None
+        if use.op.type in _GATHERS and use.index == 0:  # dW: rows of dz summed into the table's rows
+            factors, count = [dz], _log_size(dz)
+        else:
+            terms = _TERMS.get(use.op.type)
+            if terms is None or len(use.op.inputs) != 2:
+                return None
+            other = use.op.inputs[1 - use.index]
+            if other is use.op.inputs[use.index]:
+                return None
+            factors, count = [other, dz], terms(_log_size(other), _log_size(dz))
+        log_bound = count + tf.add_n([tf.math.log(tf.reduce_max(tf.abs(tf.cast(t, tf.float32)))) for t in factors])
+        element_limit = math.log(use.output.dtype.max / 16)
+        checks += [tf.math.is_finite(tf.reduce_sum(t)) for t in factors] + [log_bound < element_limit]
+        logs.append(log_bound)
+    if not logs:
+        return None
+    total = tf.reduce_logsumexp(tf.stack(logs)) + math.log(max(size, 1))
+    return tf.reduce_all([*checks, total < math.log(tf.float32.max / 16)])
+
+
+def _log_size(tensor) -> tf.Tensor:
+    return tf.math.log(tf.cast(tf.size(tensor), tf.float32))
