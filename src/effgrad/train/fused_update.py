@@ -52,7 +52,7 @@ __all__ = ["decide", "step"]
 
 
 def decide(train_step, hint: tuple[int, int] | None) -> bool:
-    """Whether ``train_step`` applies each update as backprop makes its gradient (two passes).
+    """Whether ``train_step`` applies each update as backprop makes its gradient.
 
     ``"auto"`` fuses when the gradients outweigh 4x the batch's layer outputs
     (from the layer graph; a sequence model's unknown axes counted as the
@@ -89,10 +89,11 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
         return False
     gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in train_step.model.trainable_variables)
     # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
-    # probabilities), and the second pass keeps it all alive once more. Measured: a 16x1024
-    # GELU MLP at batch 1024 (weights = outputs) and GPT2Backbone 12x768 at T=128, batch 2
-    # (weights = 3.6x outputs; fused 1,084 vs gathered 995 MiB) are better gathered; 8 Dense
-    # 2048x2048 at batch 64 (weights = 32x outputs) fused: 165-180 vs 258 MiB.
+    # probabilities), and the fused step also keeps every weight use's output gradient until
+    # pass 2. Measured: a 16x1024 GELU MLP at batch 1024 (weights = outputs) and GPT2Backbone
+    # 12x768 at T=128, batch 2 (weights = 3.6x outputs; fused 2,043 vs gathered 2,467 MiB with
+    # Adam but 1.7x the time, benchmarks/step_floor.py) are better gathered; 8 Dense 2048x2048
+    # at batch 64 (weights = 32x outputs) fused: 0.80x / 0.97x Keras's peak at its speed.
     return gradient_bytes > 4 * per_row * rows
 
 
