@@ -168,7 +168,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
         gate = update.Update(summed, regularizer_grads(summed), factor=factor, clip_norm=options.clip_norm)
         finite = gate.finite()
     else:  # finiteness from bounds where they suffice: most weight gradients are made once, in pass 2
-        flags = [_finite(local, uses[i], output_grads, variables[i], i) for i in connected]
+        flags = [_finite(lambda i=i: local(i), uses[i], output_grads, variables[i]) for i in connected]
         gate = update.Update([], regularizer_grads(flags), factor=factor)
         finite = tf.reduce_all([gate.finite(), *flags])
     clip = gate.clip()
@@ -271,11 +271,11 @@ def _uses_see_every_path(uses: list, output_grads: dict, first: list, target) ->
     return True
 
 
-def _finite(local, uses: list, output_grads: dict, variable, i: int) -> tf.Tensor:
-    """Whether variable ``i``'s loss gradient is finite: from the bound, or made and summed."""
+def _finite(make, uses: list, output_grads: dict, variable) -> tf.Tensor:
+    """Whether ``variable``'s loss gradient (``make()``) is finite: from the bound, or made and summed."""
 
     def made():
-        g = local(i)
+        g = make()
         return tf.constant(True) if g is None else tf.math.is_finite(tf.reduce_sum(g))
 
     bound = local_grad.finite_bound(uses, output_grads, math.prod(variable.shape))
