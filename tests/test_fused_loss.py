@@ -297,6 +297,35 @@ _CHILD = textwrap.dedent(
 )
 
 
+_KERNEL_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import effgrad, numpy as np, tensorflow as tf
+    transposed = sys.argv[1] == "transposed"
+    depth, vocabulary = 256, 50_000  # a 49 MiB kernel; 64 rows: each chunk's logits are 1 MiB
+    kernel = tf.Variable(tf.random.normal([vocabulary, depth] if transposed else [depth, vocabulary], stddev=0.02))
+    hidden = tf.random.normal([64, depth]); labels = tf.random.uniform([64], 0, vocabulary, tf.int32)
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = effgrad.fused_sparse_cross_entropy(hidden, kernel, labels, transposed=transposed)
+        return tape.gradient(loss, kernel)
+
+    gradient()
+    print("@@" + json.dumps(effgrad.memory.measure(gradient).extra_bytes))
+    """
+)
+
+
+def test_the_kernel_gradient_is_assembled_in_one_buffer():
+    # Each vocabulary chunk's gradient is written in place into the kernel-sized result. Joining
+    # the chunks at the end (tf.concat) holds the chunks and the result: two kernels.
+    peaks = in_fresh_processes(_KERNEL_CHILD, {"dense": ["dense"], "transposed": ["transposed"]})
+    kernel = 256 * 50_000 * 4
+    assert all(peak < 1.4 * kernel for peak in peaks.values()), {k: v / kernel for k, v in peaks.items()}
+
+
 def test_the_logits_are_never_made():
     peaks = in_fresh_processes(_CHILD, {"fused": ["fused"], "plain": ["plain"]})
     logits = 512 * 50_000 * 4  # 98 MiB: one copy

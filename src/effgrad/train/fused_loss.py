@@ -225,9 +225,10 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
 
         def grad(upstream, *_rank_gradient):  # the ranks are counts: no gradient flows through them
             # Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the
-            # kernel's gradient is summed per vocabulary chunk in a small [d, chunk] buffer and
-            # concatenated once. Summing whole [d, V] gradients over row chunks would keep three
-            # kernel-sized buffers alive (the sum, the addend, the result).
+            # kernel's gradient is summed per vocabulary chunk in a small [d, chunk] buffer, then
+            # written in place into the one kernel-sized buffer. Summing whole [d, V] gradients over
+            # row chunks would keep three kernel-sized buffers alive (the sum, the addend, the
+            # result); concatenating the chunks at the end, two (measured: 49 MiB more at GPT-2's).
             d_loss = tf.cast(upstream, tf.float32)
             if valid is not None:
                 d_loss = tf.where(valid, d_loss, 0.0)
@@ -237,6 +238,9 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             row_chunks = (rows + rc - 1) // rc
             extra = row_chunks * rc - rows
 
+            def kernel_order(vocabulary_axis, depth_axis):
+                return [vocabulary_axis, depth_axis] if transposed else [depth_axis, vocabulary_axis]
+
             def rows_padded(t):
                 return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
 
@@ -245,7 +249,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
 
             h_b, d_b, lse_b, labels_b = (rows_padded(t) for t in (h32, d_loss, lse_rows, labels))
             dh = tf.zeros_like(h_b)
-            dw_parts, db_parts, previous = [], [], []
+            dw, db_parts, previous = None, [], []
             for start in range(0, vocabulary, _VOCAB_CHUNK):
                 width = min(_VOCAB_CHUNK, vocabulary - start)
                 with tf.control_dependencies(previous):  # one vocabulary chunk at a time
@@ -281,10 +285,14 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
                     parallel_iterations=1,
                 )
                 dh = dh + tf.reshape(dh_parts.stack(), [-1, depth])
-                dw_parts.append(dw_j)
+                if dw is None:  # the buffer: the first chunk padded with zeros (a zeros tensor would be
+                    # folded into a kernel-sized constant that the graph keeps for good)
+                    dw = tf.pad(dw_j, kernel_order([0, vocabulary - width], [0, 0]))
+                else:  # in place: TensorFlow forwards the buffer nothing else reads; XLA updates in place
+                    begin, end = kernel_order(start, 0), kernel_order(start + width, depth)
+                    dw = tf.raw_ops.TensorStridedSliceUpdate(input=dw, begin=begin, end=end, strides=[1, 1], value=dw_j)
                 db_parts.append(db_j)
-                previous = [dw_j, dh]
-            dw = tf.concat(dw_parts, axis=0 if transposed else 1)
+                previous = [dw, dh]
             db = tf.concat(db_parts, axis=0) if has_bias else b32
             return tf.cast(dh[:rows], h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
 
