@@ -79,13 +79,15 @@ def _handle(variable):
     return getattr(variable, "handle", None)
 
 
-def uses_of(forward_ops: list, variables: list) -> list[list[Use]] | None:
-    """Every variable's uses among ``forward_ops`` (ops of one graph), or None where that cannot be told.
+def uses_of(forward_ops: list, variables: list) -> list[list[Use] | None] | None:
+    """Each variable's uses among ``forward_ops`` (ops of one graph): None for a variable whose cannot be told.
 
-    None when a variable is read by something else than a read or a gather
-    (a loop or a recomputed block that reads it inside its own function),
-    when a use has several outputs, or when a large variable's use outputs
-    as much as the variable itself (its ``dz`` is no smaller than ``dW``).
+    A variable's entry is None when it is read by something else than a read
+    or a gather (a loop, a recomputed block or a custom gradient that reads
+    it inside its own function), when one of its uses has several outputs,
+    or when it is large and a use outputs as much as the variable itself
+    (its ``dz`` is no smaller than ``dW``). The whole answer is None when
+    the variables are not resource variables of this graph.
     """
     if not forward_ops:
         return None
@@ -102,23 +104,26 @@ def uses_of(forward_ops: list, variables: list) -> list[list[Use]] | None:
     for op in forward_ops:
         for k, tensor in enumerate(op.inputs):
             i = inner.get(id(tensor))
-            if i is None or op.type in _NOT_USES:
+            if i is None or op.type in _NOT_USES or found[i] is None:
                 continue
             if op.type == "ResourceGather":  # an embedding lookup straight from the handle
                 found[i].append(Use(op, k, ()))
             elif op.type == "ReadVariableOp":
                 found[i].extend(_uses_after(op.outputs[0], (), inside))
             else:
-                return None
-    for variable, uses in zip(variables, found):
-        size = math.prod(variable.shape)
-        for use in uses:
-            if len(use.op.outputs) != 1 or not use.output.dtype.is_floating:
-                return None
-            rows = math.prod(d or 1 for d in use.output.shape) if use.output.shape.rank is not None else 0
-            if size >= 2**16 and rows >= size:
-                return None
-    return found
+                found[i] = None
+    return [None if uses is None or not _small_uses(v, uses) else uses for v, uses in zip(variables, found)]
+
+
+def _small_uses(variable, uses: list[Use]) -> bool:
+    size = math.prod(variable.shape)
+    for use in uses:
+        if len(use.op.outputs) != 1 or not use.output.dtype.is_floating:
+            return False
+        rows = math.prod(d or 1 for d in use.output.shape) if use.output.shape.rank is not None else 0
+        if size >= 2**16 and rows >= size:
+            return False
+    return True
 
 
 def _uses_after(tensor, views: tuple, inside: set) -> list[Use]:
