@@ -340,15 +340,22 @@ def test_pacing_adds_no_edge_that_could_deadlock():
         known = len(graph.get_operations())
         norm = tf.add_n([tf.reduce_sum(g**2) for g in made])
         _ = [v.assign_sub(g * norm, read_value=False) for v, g in zip((a, b, c), made)]
-        fused_update.pace([[g.op] for g in made], made, graph.get_operations()[known:])
+        fused_update.pace([[g.op] for g in made], made, graph.get_operations()[known:], [2, 2, 2])
         assert all(not g.op.control_inputs for g in made)  # every update reads every gradient
-        independent = [tf.identity(tf.ones([2])) for _ in range(3)]
-        known = len(graph.get_operations())
-        writes = [v.assign_sub(g, read_value=False) for v, g in zip((a, b, c), independent)]
-        fused_update.pace([[g.op] for g in independent], independent, graph.get_operations()[known:])
-        # Backprop's order is the reverse of the variables': the first gradient waits for the last update.
-        assert independent[0].op.control_inputs == [writes[2]]
-        assert not independent[1].op.control_inputs and not independent[2].op.control_inputs
+
+        def paced(overlap):
+            independent = [tf.identity(tf.ones([2])) for _ in range(3)]
+            known = len(graph.get_operations())
+            writes = [v.assign_sub(g, read_value=False) for v, g in zip((a, b, c), independent)]
+            ops = graph.get_operations()[known:]
+            fused_update.pace([[g.op] for g in independent], independent, ops, [2, 2, 2], overlap)
+            waits = [fused_update._ancestors(g.op.control_inputs) for g in independent]
+            return [[j for j, w in enumerate(writes) if id(w) in waited] for waited in waits]
+
+        # Backprop's order is the reverse of the variables'. One update at a time: each gradient
+        # waits for every update before it; with one in flight, for all but the last one.
+        assert paced(0) == [[1, 2], [2], []]
+        assert paced(1) == [[2], [], []]
 
 
 def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):

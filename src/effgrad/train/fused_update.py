@@ -33,9 +33,10 @@ Dense 2048x2048 with Adam, 0.125 s per step sharing the chain against 0.169 s
 backpropagating twice (Keras's own step: 0.118 s).
 
 Backprop waits for the updates (:func:`pace`): each gradient is made only
-once the update of the variable two before it (in backprop's order) has
-written. Without it the executor may run the whole backward pass ahead of
-the updates and hold every gradient: with one inter-op thread it did (Adam,
+once the updates before it have written (with compact int8 state, all but
+the last large one: its single-threaded update runs beside the next).
+Without it the executor may run the whole backward pass ahead of the
+updates and hold every gradient: with one inter-op thread it did (Adam,
 6 Dense 1024x1024: 120.3 MiB as gathered; paced 80.8), and slow updates
 (compact state) lost the race on any number of threads.
 """
@@ -201,7 +202,9 @@ def _step(train_step, x, y, sample_weight) -> dict:
         known = len(branch.get_operations())
         with _compat.gradients_already_reduced(train_step.optimizer):
             train_step.optimizer.apply(grads, trained)
-        pace(makers, grads, branch.get_operations()[known:])
+        sizes = [math.prod(v.shape) for v in trained]
+        overlap = getattr(train_step.optimizer, "updates_in_flight", 0)
+        pace(makers, grads, branch.get_operations()[known:], sizes, overlap)
         for variable, value in commit:
             variable.assign(value)
         return tf.constant(True)
@@ -214,36 +217,51 @@ def _step(train_step, x, y, sample_weight) -> dict:
         return {"loss": loss, "loss_scale": tf.identity(loss_scale.value), "grads_finite": finite}
 
 
-LAG = 2  # a gradient is made once the update of the variable two before it (in backprop's order) is done
-
-
-def pace(makers: list, grads: list, update_ops: list) -> None:
-    """Makes backprop wait for the updates: each gradient is made after an earlier one's update.
+def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap: int = 0) -> None:
+    """Makes backprop wait for the updates: each gradient is made after the earlier ones' updates.
 
     Without it the executor is free to run the whole backward pass ahead of
     slow updates (one inter-op thread, compact state, a loaded machine) and
     hold every gradient, as the gathered step does. Variables are taken in
     backprop's order (the reverse of the model's); the ops that start making
-    the gradient of the variable at position ``p`` get a control input on
-    the writes of the update of position ``p - LAG``. Nothing is added where
-    it could deadlock: when that update depends on the gradient it would
-    delay (an optimizer that reads every gradient before any update).
+    the gradient at position ``p`` wait for the updates of every position up
+    to ``q``, the nearest such that the variables strictly between ``q`` and
+    ``p`` add up to ``overlap`` times the largest. ``overlap=0``: one update
+    at a time; ``1``: one largest variable's update may still run while the
+    next gradient is made and updated, however many biases and norms sit
+    between the kernels (a compact int8 update is single-threaded: one at a
+    time leaves a core idle). Nothing is added where it could deadlock: when
+    an update depends on the gradient it would delay (an optimizer that
+    reads every gradient before any update).
 
     Args:
         makers: Per trained variable, the ops that start making its gradient (empty where it has none).
         grads: The gradients handed to the optimizer, same order.
         update_ops: The ops the optimizer's ``apply`` created.
+        sizes: Per trained variable, its number of elements.
+        overlap: See above.
     """
     if tf.executing_eagerly():  # op by op: the tape has made every gradient already
         return
     writes = _writes_per_gradient(grads, update_ops)
     order = [j for j in reversed(range(len(makers))) if makers[j] and writes.get(j)]
-    for p in range(LAG, len(order)):
-        done = writes[order[p - LAG]]
-        before = _ancestors(done)
+    largest = max((sizes[j] for j in order), default=0)
+    retired, done, before = -1, None, set()  # the updates up to position `retired`, grouped in `done`
+    for p in range(len(order)):
+        between, q = 0, p - 1
+        while q >= 0 and between < overlap * largest:
+            between += sizes[order[q]]
+            q -= 1
+        while retired < q:  # q only grows: each update joins the group once
+            retired += 1
+            writes_r = writes[order[retired]]
+            _ancestors(writes_r, before)
+            done = tf.group(*writes_r, *([] if done is None else [done]))
+        if done is None:
+            continue
         for maker in makers[order[p]]:
-            if maker.graph is done[0].graph and id(maker) not in before:
-                maker._add_control_input(done[0] if len(done) == 1 else tf.group(*done))
+            if maker.graph is done.graph and id(maker) not in before:
+                maker._add_control_input(done)
 
 
 def _roots(ops: list) -> list:
@@ -329,9 +347,14 @@ def _is_write(op) -> bool:
     return (kind.startswith("Assign") and kind.endswith("VariableOp")) or kind.startswith("ResourceScatter")
 
 
-def _ancestors(ops: list) -> set:
-    """``id`` of every op that ``ops`` depend on (data or control), theirs included."""
-    seen, stack = {id(op) for op in ops}, list(ops)
+def _ancestors(ops: list, seen: set | None = None) -> set:
+    """``id`` of every op that ``ops`` depend on (data or control), theirs included, added to ``seen``.
+
+    What ``seen`` holds already is not walked again (its ancestors are taken to be in it).
+    """
+    seen = set() if seen is None else seen
+    stack = [op for op in ops if id(op) not in seen]
+    seen.update(id(op) for op in stack)
     while stack:
         op = stack.pop()
         for parent in [t.op for t in op.inputs] + list(op.control_inputs):
