@@ -360,9 +360,11 @@ def test_the_step_peak_falls_by_most_of_the_state_it_no_longer_keeps():
     # int8 keeps a quarter of them; expanding every slot at once (nothing ordering the updates)
     # would give back most of the saving.
     assert peaks["int8"] <= peaks["float32"] - 0.5 * slots, peaks
-    # Fused, the gradients go too: backprop waits for the compact updates (unpaced, it ran
-    # ahead of them and held every gradient, as gathered).
-    assert peaks["int8 fused"] <= peaks["int8"] - 0.25 * slots, peaks
+    # Fused, most gradients go too: backprop waits for the compact updates, all but two kernels'
+    # worth (updates_in_flight), so at most three of the six kernel gradients are alive where
+    # gathered holds all six (unpaced, it ran ahead of the updates and held every one).
+    gradients = 6 * 1024 * 1024 * 4
+    assert peaks["int8 fused"] <= peaks["int8"] - 0.35 * gradients, peaks
 
 
 def test_the_optimizer_round_trips_through_its_config_as_the_planner_rebuilds_it():

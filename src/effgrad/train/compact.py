@@ -325,15 +325,17 @@ class _CompactState:
         self.__dict__.update(_chain={}, _chain_graph=None, _slots_of={}, _compiled={})
 
     @property
-    def updates_in_flight(self) -> int:
-        """How many largest-variable updates ``fused_update`` lets run while it makes the next gradient.
+    def updates_in_flight(self) -> float:
+        """How many largest variables' updates ``fused_update`` lets run while it makes the next gradient.
 
-        An int8 update is one XLA loop on one thread: one at a time left a core
-        idle. Measured (8 Dense 2048x2048, batch 64, fused, 2 cores, ad hoc):
-        one at a time 251-269 MiB at 156-159 ms per step, one more in flight
-        310-319 MiB at 119-122 ms (Keras, float32 Adam: 453 MiB, 104 ms).
+        An int8 update is one XLA loop on one thread: with one at a time (1, as
+        for any optimizer), a bias between two kernels kept the next kernel
+        waiting and a core idle. Measured (8 Dense 2048x2048, batch 64, fused,
+        2 cores, ad hoc): one at a time 251-269 MiB at 156-159 ms per step, one
+        more kernel in flight 310-319 MiB at 119-122 ms (Keras, float32 Adam:
+        453 MiB, 104 ms).
         """
-        return 1 if self.compact_dtype == "int8" else 0
+        return 2 if self.compact_dtype == "int8" else 1
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         size = math.prod(reference_variable.shape)

@@ -28,13 +28,14 @@ whose uses cannot be told (read inside a recomputed block, a loop, a fused
 loss's custom gradient) keeps its gradient from pass 1 while such gradients
 add up to at most 1.2x the largest weight (a tied embedding that a fused loss
 reads). Beyond that (a checkpointed model), pass 2 is a second whole backward
-pass, LOMO's (Lv et al. 2024): measured on 8
-Dense 2048x2048 with Adam, 0.125 s per step sharing the chain against 0.169 s
-backpropagating twice (Keras's own step: 0.118 s).
+pass, LOMO's (Lv et al. 2024): measured on 8 Dense 2048x2048 with Adam,
+0.125 s per step sharing the chain against 0.169 s backpropagating twice
+(Keras's own step: 0.118 s).
 
 Backprop waits for the updates (:func:`pace`): each gradient is made only
-once the updates before it have written (with compact int8 state, all but
-the last large one: its single-threaded update runs beside the next).
+once the updates before it have written, all but at most the largest
+variable's worth (twice that with compact int8 state, whose single-threaded
+updates would otherwise run one at a time on a 2-core machine).
 Without it the executor may run the whole backward pass ahead of the
 updates and hold every gradient: with one inter-op thread it did (Adam,
 6 Dense 1024x1024: 120.3 MiB as gathered; paced 80.8), and slow updates
@@ -58,7 +59,7 @@ __all__ = ["decide", "step"]
 def decide(train_step, hint: tuple[int, int] | None) -> bool:
     """Whether ``train_step`` applies each update as backprop makes its gradient.
 
-    ``"auto"`` fuses when the gradients outweigh 4x the batch's layer outputs
+    ``"auto"`` fuses when the gradients outweigh 2x the batch's layer outputs
     (from the layer graph; a sequence model's unknown axes counted as the
     batch's ``T``).
     """
@@ -94,11 +95,11 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
     gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in train_step.model.trainable_variables)
     # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
     # probabilities), and the fused step also keeps every weight use's output gradient until
-    # pass 2. Measured: a 16x1024 GELU MLP at batch 1024 (weights = outputs) and GPT2Backbone
-    # 12x768 at T=128, batch 2 (weights = 3.6x outputs; fused 2,043 vs gathered 2,467 MiB with
-    # Adam but 1.7x the time, benchmarks/step_floor.py) are better gathered; 8 Dense 2048x2048
-    # at batch 64 (weights = 32x outputs) fused: 0.80x / 0.97x Keras's peak at its speed.
-    return gradient_bytes > 4 * per_row * rows
+    # pass 2. Measured (benchmarks/step_floor.py): a 16x1024 GELU MLP at batch 1024 (weights =
+    # outputs) is better gathered; GPT2Backbone 12x768 at T=128, batch 2 (weights = 3.6x
+    # outputs) fused holds Keras's peak where gathered holds 1.3x, at about Keras's time; 8
+    # Dense 2048x2048 at batch 64 (weights = 32x outputs) fused: 0.84x / 0.97x Keras's peak.
+    return gradient_bytes > 2 * per_row * rows
 
 
 def step(train_step, x, y, sample_weight) -> dict:
@@ -203,7 +204,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
         with _compat.gradients_already_reduced(train_step.optimizer):
             train_step.optimizer.apply(grads, trained)
         sizes = [math.prod(v.shape) for v in trained]
-        overlap = getattr(train_step.optimizer, "updates_in_flight", 0)
+        overlap = getattr(train_step.optimizer, "updates_in_flight", 1)
         pace(makers, grads, branch.get_operations()[known:], sizes, overlap)
         for variable, value in commit:
             variable.assign(value)
@@ -217,7 +218,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
         return {"loss": loss, "loss_scale": tf.identity(loss_scale.value), "grads_finite": finite}
 
 
-def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap: int = 0) -> None:
+def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap: float = 1) -> None:
     """Makes backprop wait for the updates: each gradient is made after the earlier ones' updates.
 
     Without it the executor is free to run the whole backward pass ahead of
@@ -225,21 +226,23 @@ def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap:
     hold every gradient, as the gathered step does. Variables are taken in
     backprop's order (the reverse of the model's); the ops that start making
     the gradient at position ``p`` wait for the updates of every position up
-    to ``q``, the nearest such that the variables strictly between ``q`` and
-    ``p`` add up to ``overlap`` times the largest. ``overlap=0``: one update
-    at a time; ``1``: one largest variable's update may still run while the
-    next gradient is made and updated, however many biases and norms sit
-    between the kernels (a compact int8 update is single-threaded: one at a
-    time leaves a core idle). Nothing is added where it could deadlock: when
-    an update depends on the gradient it would delay (an optimizer that
-    reads every gradient before any update).
+    to ``q``: the updates still running, those between ``q`` and ``p``, add
+    up to at most ``overlap`` times the largest variable. With ``overlap=1``,
+    on 8 equal Dense kernels one kernel's update runs at a time (a second
+    would hold another kernel-sized gradient: 456 against 440 MiB with Adam,
+    for no time); on GPT2Backbone, whose largest variable is the 147 MiB
+    token embedding, the 2-9 MiB kernels of many layers update side by side
+    (one at a time left a core idle: 0.72 s per Adam step against 0.56 s,
+    Keras's own 0.53 s). Nothing is added where it could deadlock: when an
+    update depends on the gradient it would delay (an optimizer that reads
+    every gradient before any update).
 
     Args:
         makers: Per trained variable, the ops that start making its gradient (empty where it has none).
         grads: The gradients handed to the optimizer, same order.
         update_ops: The ops the optimizer's ``apply`` created.
         sizes: Per trained variable, its number of elements.
-        overlap: See above.
+        overlap: See above; 0: one update at a time.
     """
     if tf.executing_eagerly():  # op by op: the tape has made every gradient already
         return
@@ -249,7 +252,7 @@ def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap:
     retired, done, before = -1, None, set()  # the updates up to position `retired`, grouped in `done`
     for p in range(len(order)):
         between, q = 0, p - 1
-        while q >= 0 and between < overlap * largest:
+        while q >= 0 and between + sizes[order[q]] <= overlap * largest:
             between += sizes[order[q]]
             q -= 1
         while retired < q:  # q only grows: each update joins the group once

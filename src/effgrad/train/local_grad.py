@@ -80,7 +80,7 @@ def _handle(variable):
 
 
 def uses_of(forward_ops: list, variables: list) -> list[list[Use] | None] | None:
-    """Each variable's uses among ``forward_ops`` (ops of one graph): None for a variable whose cannot be told.
+    """Each variable's uses among ``forward_ops`` (ops of one graph); None where they cannot be told.
 
     A variable's entry is None when it is read by something else than a read
     or a gather (a loop, a recomputed block or a custom gradient that reads
