@@ -11,8 +11,8 @@ Three tables from one run:
   and on a keras_hub GPT2Backbone 12x768 with GPT-2's vocabulary (124M
   parameters, T=128, batch 2), fresh process per row: Keras ``train_on_batch``
   with float32 Adam (the baseline), effgrad's step with float32 / int8 /
-  bfloat16 state, gathered and ``fused_update=True`` (the LM: Keras's step and
-  effgrad's default); state MiB counted from the optimizer's variables.
+  bfloat16 state, gathered and ``fused_update=True`` (the LM: float32 and int8
+  only); state MiB counted from the optimizer's variables.
 * **convergence**: the demo's digits CNN (10 epochs, batch 64) and a keras_hub
   GPT-2 LM (2 layers, hidden 64, vocabulary 512, T=32) on a Markov chain with
   4 successors per token (entropy floor 1.28 nats), 3 seeds per state dtype;
@@ -178,8 +178,8 @@ def _memory(quick):
         plan = [("keras", "float32"), ("effgrad gathered", "int8"), ("effgrad fused", "bfloat16")]
     rows = []
     for name, base, rounds in shapes:
-        # The LM: Keras's step and effgrad's default (gathered), float32 and int8 state.
-        methods = plan if base["model"] == "dense" else plan[:4]
+        # The LM: Keras's step, effgrad's gathered and fused (its default there) steps, float32 and int8 state.
+        methods = plan if base["model"] == "dense" else plan[:6]
         configs = [{**base, "method": method, "state": state} for method, state in methods]
         results = common.run_rounds(MODULE, configs, rounds=rounds)
         group = [{"model": name, "method": m, "state": s, **r} for (m, s), r in zip(methods, results)]
