@@ -25,15 +25,25 @@ def _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class):
 
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
 @pytest.mark.parametrize(
-    "transposed, soft_cap, with_bias, ignore_class",
-    [(False, None, True, None), (True, None, False, 3), (True, 5.0, False, None), (False, 2.0, True, 0)],
-    ids=["dense", "tied-ignore", "tied-softcap", "dense-softcap-ignore"],
+    "transposed, soft_cap, with_bias, ignore_class, classes",
+    [
+        (False, None, True, None, 100),
+        (True, None, False, 3, 100),
+        (True, 5.0, False, None, 100),
+        (False, 2.0, True, 0, 100),
+        # 4,096 + 4,096 + 808 classes: the logsumexp and the gradients combined over class chunks
+        (False, None, True, 3, 9000),
+        (True, 5.0, False, None, 9000),
+    ],
+    ids=["dense", "tied-ignore", "tied-softcap", "dense-softcap-ignore", "dense-3-class-chunks", "tied-3-class-chunks"],
 )
-def test_loss_and_gradients_equal_the_plain_cross_entropy(rng, mode, transposed, soft_cap, with_bias, ignore_class):
+def test_loss_and_gradients_equal_the_plain_cross_entropy(
+    rng, mode, transposed, soft_cap, with_bias, ignore_class, classes
+):
     hidden = tf.constant(rng.normal(size=(3, 7, 16)).astype("float32"))
-    kernel = tf.Variable(rng.normal(size=(100, 16) if transposed else (16, 100)).astype("float32"))
-    bias = tf.Variable(rng.normal(size=(100,)).astype("float32")) if with_bias else None
-    labels = rng.integers(0, 100, (3, 7))
+    kernel = tf.Variable(rng.normal(size=(classes, 16) if transposed else (16, classes)).astype("float32"))
+    bias = tf.Variable(rng.normal(size=(classes,)).astype("float32")) if with_bias else None
+    labels = rng.integers(0, classes, (3, 7))
     labels[:, -2:] = 3 if ignore_class is None else ignore_class  # some ignored positions
     labels = tf.constant(labels)
     weights = tf.constant(rng.uniform(size=(3, 7)).astype("float32"))
