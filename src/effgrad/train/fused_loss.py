@@ -190,10 +190,14 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             given_pad = padded(given)
             class_ids = tf.range(vocabulary)
 
-        def block(t, start, width):  # classes start:start + width of the kernel (or the bias)
-            if t is b32:
-                return b32[start : start + width] if has_bias else b32
-            return t[start : start + width] if transposed else t[:, start : start + width]
+        def classes(start, width):  # the kernel's and the bias's classes start:start + width
+            w_j = w32[start : start + width] if transposed else w32[:, start : start + width]
+            return w_j, (b32[start : start + width] if has_bias else b32)
+
+        def labels_in(labels_c, start, width):  # (each label's index in the class chunk, or 0; whether in it)
+            local = labels_c - start
+            inside = (local >= 0) & (local < width)
+            return tf.where(inside, local, 0), inside
 
         def forward_in_blocks(i, lse_parts, loss_parts):
             # Without ranks a row's logits need not exist whole: the logsumexp runs over chunks of
@@ -206,13 +210,12 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             for start in range(0, vocabulary, _VOCAB_CHUNK):
                 width = min(_VOCAB_CHUNK, vocabulary - start)
                 with tf.control_dependencies(previous):  # one class chunk's logits at a time
-                    z, _ = logits_of(h_i, block(w32, start, width), block(b32, start, width))
+                    z, _ = logits_of(h_i, *classes(start, width))
                 new_top = tf.maximum(top, tf.reduce_max(z, axis=1))
                 total = total * tf.exp(top - new_top) + tf.reduce_sum(tf.exp(z - new_top[:, None]), axis=1)
                 top = new_top
-                local = labels_i - start
-                inside = (local >= 0) & (local < width)
-                picked += tf.where(inside, tf.gather(z, tf.where(inside, local, 0), batch_dims=1), 0.0)
+                local, inside = labels_in(labels_i, start, width)
+                picked += tf.where(inside, tf.gather(z, local, batch_dims=1), 0.0)
                 previous = [total, picked]
             lse = top + tf.math.log(total)
             return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked)
@@ -223,9 +226,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             picked = tf.gather(z, chunk(labels_pad, i), batch_dims=1)
             parts = (lse_parts.write(i, lse), loss_parts.write(i, lse - picked))
             if given is not None:  # the metrics' share: two counts per row from logits that exist anyway
-                label = chunk(given_pad, i)
-                inside = (label >= 0) & (label < vocabulary)
-                label = tf.where(inside, label, 0)
+                label, inside = labels_in(chunk(given_pad, i), 0, vocabulary)
                 target = tf.gather(z, label, batch_dims=1)[:, None]
                 beaten = tf.reduce_sum(tf.cast(z > target, tf.float32), axis=1)
                 tied = tf.reduce_sum(tf.cast((z == target) & (class_ids < label[:, None]), tf.float32), axis=1)
@@ -283,10 +284,8 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             for start in range(0, vocabulary, _VOCAB_CHUNK):
                 width = min(_VOCAB_CHUNK, vocabulary - start)
                 with tf.control_dependencies(previous):  # one vocabulary chunk at a time
-                    w_j, b_j = block(w32, start, width), block(b32, start, width)
-                local = labels_b - start
-                inside = (local >= 0) & (local < width)
-                local = tf.where(inside, local, 0)
+                    w_j, b_j = classes(start, width)
+                local, inside = labels_in(labels_b, start, width)
 
                 def backward(i, dh_parts, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
                     h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)

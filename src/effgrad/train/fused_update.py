@@ -161,16 +161,12 @@ def _step(train_step, x, y, sample_weight) -> dict:
         return reg
 
     def local(i):
-        if uses[i] is None:  # no uses to make it from: pass 1's gradient, kept
+        if uses is None or uses[i] is None:  # no uses to make it from: pass 1's gradient
             return first[i]
         return local_grad.weight_gradient(uses[i], output_grads)
 
     factor = loss_scale.unscale_factor()
-    if uses is None:  # pass 1 is a whole backward pass: first
-        summed = loss_grads([first[i] for i in connected])
-        gate = update.Update(summed, regularizer_grads(summed), factor=factor, clip_norm=options.clip_norm)
-        finite = gate.finite()
-    elif options.clip_norm is not None:  # the norm needs every weight gradient: made from the kept dz
+    if uses is None or options.clip_norm is not None:  # every weight gradient: pass 1's, or from the kept dz
         summed = loss_grads([local(i) for i in connected])
         gate = update.Update(summed, regularizer_grads(summed), factor=factor, clip_norm=options.clip_norm)
         finite = gate.finite()
