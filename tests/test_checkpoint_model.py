@@ -72,19 +72,24 @@ def test_cuts_are_where_every_path_passes():
     names = [graph.nodes[i].operation.name for i in graph.cuts]
     # Inside the first block the only other live tensor is the model input
     # (passed along, not blocking); inside later blocks the block input is
-    # alive next to the branch, so only the residual sums are cuts.
+    # alive next to the branch, so only the residual sums are cuts. The last sum feeds the final
+    # projection, which no segment holds: no cut there.
     first_branch = ["dense", "dropout", "batch_normalization", "dense_1"]
-    assert names == first_branch + ["add", "add_1", "add_2"]
+    assert names == first_branch + ["add", "add_1"]
+    assert graph.head == 1
 
 
 def test_segments_really_recompute(rng):
     x = tf.constant(rng.normal(size=(6, 8)).astype("float32"))
     original = residual_net()
     checkpointed = effgrad.checkpoint_model(original, segments=2)
-    first_dense = [layer for layer in original.layers if isinstance(layer, keras.layers.Dense)]
-    counts = [count_calls(layer) for layer in first_dense]
+    *inner, projection = [layer for layer in original.layers if isinstance(layer, keras.layers.Dense)]
+    counts = [count_calls(layer) for layer in inner]
+    head = count_calls(projection)
     _outputs_and_grads(checkpointed, original.trainable_variables, x, "eager")
     assert [len(c) for c in counts] == [2] * len(counts)  # every layer: forward + recompute
+    # ... but the final projection: outside the segments (its output, the model's, is kept anyway).
+    assert len(head) == 1 and not isinstance(checkpointed.layers[-1], effgrad.Checkpoint)
     checkpointed(x)
     assert [len(c) for c in counts] == [3] * len(counts)  # no gradient, no recompute
 
@@ -231,7 +236,7 @@ def test_errors_and_warnings():
     with pytest.raises(ValueError, match="cannot be cut into segments"):
         effgrad.checkpoint_model(one_layer, segments=2)
     assert len(effgrad.checkpoint_model(one_layer, segments=1).layers) == 2  # whole model, one segment
-    with pytest.warns(UserWarning, match="at most 9 segments"):  # 8 cuts
+    with pytest.warns(UserWarning, match="at most 8 segments"):  # 7 cuts before the final projection
         effgrad.checkpoint_model(residual_net(), segments=20)
     with pytest.raises(ValueError, match="at least 1"):
         effgrad.checkpoint_model(residual_net(), segments=0)

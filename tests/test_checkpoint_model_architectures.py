@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
+from helpers import tiny_gpt2_lm
 from test_checkpoint_model import assert_same_computation
 
 # ResNet50 (residual adds) and MobileNetV2 (depthwise, inverted residuals) run by default. EfficientNetB0
@@ -87,6 +88,40 @@ def test_keras_hub_round_trip(rng, tmp_path):
     loaded = keras.models.load_model(tmp_path / "bert.keras")
     for a, b in zip(tf.nest.flatten(loaded(x)), tf.nest.flatten(original(x))):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_a_keras_hub_task_model_is_cut_inside_its_backbone(rng, mode, tmp_path):
+    # GPT2CausalLM's graph is two calls: its backbone (a functional model) and the tied
+    # projection. The backbone's transformer layers are the cuts; the projection stays outside.
+    x = {k: v[:, :8] for k, v in _tokens(rng, "gpt2").items()}
+    checkpointed, plain = assert_same_computation(lambda: tiny_gpt2_lm(dropout=0.1), x, mode=mode, segments=2)
+    assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 2
+    assert (
+        checkpointed.layers[-1] is plain.backbone.token_embedding or checkpointed.layers[-1].name == "token_embedding"
+    )
+    checkpointed.save(tmp_path / "lm.keras")
+    loaded = keras.models.load_model(tmp_path / "lm.keras")
+    np.testing.assert_allclose(loaded(x, training=False), checkpointed(x, training=False), atol=1e-6)
+
+
+def test_a_sub_model_called_in_inference_mode_stays_one_call(rng):
+    # base(x, training=False) (a frozen base's BatchNorm) is an argument its layers would not get
+    # if its calls were walked one by one: it stays one call. Called plainly, its blocks are cuts.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(8, activation="relu")(h))
+    base = keras.Model(inputs, h, name="base")
+    frozen = keras.Input((8,))
+    frozen_model = keras.Model(frozen, keras.layers.Dense(3)(base(frozen, training=False)))
+    assert [node.operation.name for node in effgrad.remat.graph.layer_graph(frozen_model).nodes][0] == "base"
+    walked = effgrad.remat.graph.layer_graph(keras.Model(frozen, keras.layers.Dense(3)(base(frozen))))
+    assert len(walked.nodes) == 7 and len(walked.cuts) == 5
+    x = tf.constant(rng.normal(size=(4, 8)).astype("float32"))
+    light = effgrad.checkpoint_model(frozen_model, segments=1)
+    np.testing.assert_allclose(light(x, training=True), frozen_model(x, training=True), atol=1e-6)
 
 
 def test_checkpoint_sequential_refuses_what_it_cannot_carry():

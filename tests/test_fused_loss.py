@@ -11,6 +11,7 @@ import tensorflow as tf
 import effgrad
 from conftest import assert_variables_close
 from helpers import in_fresh_processes, tiny_gpt2_lm
+from test_checkpoint import count_calls
 
 
 def _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class):
@@ -129,6 +130,28 @@ def test_step_with_the_fused_loss_equals_the_unfused_step(rng, model, jit_compil
     assert fused_loss == pytest.approx(loss_value, rel=1e-5)
     # Adam divides by sqrt(v): float32 round-off of a near-zero gradient shows at ~1e-6 of the 1e-2 step
     assert_variables_close(fused_net.trainable_variables, net.trainable_variables, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpointed_lm_fuses_its_loss_and_recomputes_its_backbone(rng):
+    # checkpoint_model cuts the task model inside its backbone and leaves the tied projection
+    # outside the segments: the fused loss finds it, and the step equals the plain unfused one.
+    (x, y, w), loss = _lm_batch(rng), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    results = []
+    for checkpointed in (True, False):
+        net = tiny_gpt2_lm(dropout=0.1)
+        layers = net.backbone.transformer_layers
+        calls = [count_calls(layer) for layer in layers]
+        model = effgrad.checkpoint_model(net, segments=2) if checkpointed else net
+        keras.utils.set_random_seed(3)  # the same dropout draws
+        step = effgrad.build_train_step(model, loss, keras.optimizers.AdamW(1e-2), fused_loss=checkpointed)
+        logs = step(x, y, w)
+        assert step.fused_loss is checkpointed, step.fused_loss_reason
+        # one trace: forward, and (checkpointed) the recompute in backprop
+        assert [len(c) for c in calls] == [2 if checkpointed else 1] * len(layers)
+        results.append((net, float(logs["loss"])))
+    (ours, ours_loss), (plain, plain_loss) = results
+    assert ours_loss == pytest.approx(plain_loss, rel=1e-5)
+    assert_variables_close(ours.trainable_variables, plain.trainable_variables, rtol=1e-5, atol=1e-5)
 
 
 def test_mixed_float16_fused_loss_is_computed_in_float32(rng):

@@ -441,7 +441,8 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
             f"{model.name}: only {len(ends) + 1} segments of {wanted} could be placed between its cut points.",
             stacklevel=2,
         )
-    bounds = [0] + [end + 1 for end in ends] + [len(g.nodes)]
+    body = len(g.nodes) - g.head  # the final projection, if any, is called as it is
+    bounds = [0] + [end + 1 for end in ends] + [body]
 
     def fresh_input(t):
         layer, _ = _compat.producer(t)
@@ -453,7 +454,8 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
         block, seg_inputs, seg_outputs = g.segment(start, stop, name=f"{model.name}_segment_{k}")
         outputs = Checkpoint(block, name=f"checkpoint_{k}")([tensors[id(t)] for t in seg_inputs])
         tensors.update((id(t), out) for t, out in zip(seg_outputs, keras.tree.flatten(outputs)))
-    new_outputs = keras.tree.map_structure(lambda t: tensors[id(t)], outputs_struct)
+    g.replay(g.nodes[body:], tensors)
+    new_outputs = keras.tree.map_structure(lambda t: tensors[id(g.tensor(t))], outputs_struct)
     return CheckpointedModel(new_inputs, new_outputs, source=model, segments=segments)
 
 

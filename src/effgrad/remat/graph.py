@@ -13,12 +13,22 @@ caller holds anyway and which are simply passed on to the segments that
 need them. Residual blocks, dense blocks and transformer layers each end on a
 cut; nothing inside them is one.
 
+The model's final projection (a ``Dense`` or keras_hub reversed embedding
+making the logits) is left out of the segments: its output, the model's, is
+kept anyway, and a fused loss (:mod:`effgrad.train.fused_loss`) can then
+split it off the checkpointed model.
+
 Segments are then chosen among the cuts so that each holds about the same
 activation volume (estimated from the static output shapes).
 
+A functional model called once inside another (a keras_hub backbone inside
+its task model, a base model inside a fine-tuning head) is walked as its own
+layer calls, so its transformer layers or residual blocks are cuts too.
+
 Trap:
-    Only the model's own graph is seen: a subclassed layer is one call, however
+    Only recorded graphs are seen: a subclassed layer is one call, however
     much it computes, so a model made of one big subclassed layer has no cut.
+    A sub-model called twice (a siamese tower) stays one call per use.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ class Graph:
         inputs: The model's flat input tensors.
         outputs: The model's flat output tensors.
         cuts: Indices ``i`` of ``nodes`` after which exactly one non-side
-            tensor is alive (and something is left to compute).
+            tensor is alive (and something is left to compute before the head).
         sizes: Estimated activation elements per example of each call.
         structure: The model's ``(inputs, outputs)`` with their nesting
             (dicts of named inputs, lists).
@@ -55,14 +65,35 @@ class Graph:
     cuts: list[int]
     sizes: list[int]
     structure: tuple
+    aliases: dict = dataclasses.field(default_factory=dict)
+    head: int = 0  # 1 if the last node is the final projection, which no segment holds
+
+    def tensor(self, t):
+        """The tensor of this graph that ``t`` stands for: an inlined sub-model's input is the
+        tensor passed to it, and its call's output is the sub-model's own output."""
+        while id(t) in self.aliases:
+            t = self.aliases[id(t)]
+        return t
+
+    def inputs_of(self, node) -> list:
+        """``node``'s input tensors, as tensors of this graph."""
+        return [self.tensor(t) for t in node.input_tensors]
+
+    def replay(self, nodes, values: dict) -> None:
+        """Calls ``nodes``'s layers on ``values`` (``{id(tensor): value}``), adding their outputs."""
+        for node in nodes:
+            args, kwargs = _compat.call_arguments(node, {id(t): values[id(self.tensor(t))] for t in node.input_tensors})
+            results = keras.tree.flatten(node.operation(*args, **kwargs))
+            values.update((id(t), r) for t, r in zip(node.output_tensors, results))
 
     def segment_io(self, start: int, stop: int) -> tuple[list, list]:
         """Inputs (produced before ``start``) and outputs (needed after ``stop``) of ``nodes[start:stop]``."""
         before = {id(t) for t in self.inputs} | {id(t) for node in self.nodes[:start] for t in node.output_tensors}
-        needed_later = {id(t) for node in self.nodes[stop:] for t in node.input_tensors} | {id(t) for t in self.outputs}
+        needed_later = {id(t) for node in self.nodes[stop:] for t in self.inputs_of(node)}
+        needed_later |= {id(t) for t in self.outputs}
         inputs, outputs, seen = [], [], set()
         for node in self.nodes[start:stop]:
-            for t in node.input_tensors:
+            for t in self.inputs_of(node):
                 if id(t) in before and id(t) not in seen:
                     seen.add(id(t))
                     inputs.append(t)
@@ -90,10 +121,7 @@ class Graph:
 
         values = {id(t): fresh(i, t) for i, t in enumerate(inputs)}
         block_inputs = [values[id(t)] for t in inputs]
-        for node in self.nodes[start:stop]:
-            args, kwargs = _compat.call_arguments(node, values)
-            results = keras.tree.flatten(node.operation(*args, **kwargs))
-            values.update((id(t), r) for t, r in zip(node.output_tensors, results))
+        self.replay(self.nodes[start:stop], values)
         return keras.Model(block_inputs, [values[id(t)] for t in outputs], name=name), inputs, outputs
 
 
@@ -123,50 +151,99 @@ def _size(node, unknown: int = 1) -> int:
     return out * max(1, len(_compat.flatten_layers(node.operation)) - 1)
 
 
+def _ordered(nodes_by_depth) -> list:
+    return [
+        node for depth in sorted(nodes_by_depth, reverse=True) for node in nodes_by_depth[depth] if not node.is_input
+    ]
+
+
+def _inlined(node, uses: int, aliases: dict) -> list | None:
+    """The layer calls of a functional sub-model called once by ``node`` (recording in ``aliases``
+    what its inputs and outputs stand for), or None: then ``node`` stays one call."""
+    parts = _compat.functional_graph(node.operation) if isinstance(node.operation, keras.Model) else None
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if parts is None or uses != 1 or len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
+        # Called twice its tensors would collide; a mask or training=False (a frozen base model's
+        # BatchNorm) is an argument its layers would not get.
+        return None
+    nodes_by_depth, inner_inputs, inner_outputs = parts
+    try:
+        keras.tree.assert_same_structure(inner_inputs, args[0])
+    except (TypeError, ValueError):
+        return None  # inputs passed in another nesting than the sub-model's: Keras would restructure them
+    for inner, outer in zip(keras.tree.flatten(inner_inputs), keras.tree.flatten(args[0])):
+        if inner is not outer:  # a keras_hub task model passes its backbone's own inputs
+            aliases[id(inner)] = outer
+    for outer, inner in zip(node.output_tensors, keras.tree.flatten(inner_outputs)):
+        aliases[id(outer)] = inner
+    return _flat(_ordered(nodes_by_depth), aliases)
+
+
+def _flat(nodes: list, aliases: dict) -> list:
+    uses: dict[int, int] = {}
+    for node in nodes:
+        uses[id(node.operation)] = uses.get(id(node.operation), 0) + 1
+    flat = []
+    for node in nodes:
+        inner = _inlined(node, uses[id(node.operation)], aliases)
+        flat.extend([node] if inner is None else inner)
+    return flat
+
+
 def layer_graph(model: keras.Model) -> Graph:
     """The layer calls of ``model`` (functional or built Sequential) and its cuts."""
     nodes_by_depth, inputs_struct, outputs_struct = _recorded_graph(model)
-    nodes = [
-        node for depth in sorted(nodes_by_depth, reverse=True) for node in nodes_by_depth[depth] if not node.is_input
-    ]
-    inputs, outputs = keras.tree.flatten(inputs_struct), keras.tree.flatten(outputs_struct)
+    aliases: dict = {}
+    nodes = _flat(_ordered(nodes_by_depth), aliases)
+    g = Graph(nodes=nodes, inputs=[], outputs=[], cuts=[], sizes=[], structure=(), aliases=aliases)
+    inputs, outputs = keras.tree.flatten(inputs_struct), [g.tensor(t) for t in keras.tree.flatten(outputs_struct)]
     last_use = {id(t): len(nodes) for t in outputs}
     for i, node in enumerate(nodes):
-        for t in node.input_tensors:
+        for t in g.inputs_of(node):
             last_use[id(t)] = max(last_use.get(id(t), -1), i)
 
     # Side tensors: model inputs and what weightless calls compute from them.
     side = {id(t) for t in inputs}
     for node in nodes:
-        if not getattr(node.operation, "weights", None) and all(id(t) in side for t in node.input_tensors):
+        if not getattr(node.operation, "weights", None) and all(id(t) in side for t in g.inputs_of(node)):
             side.update(id(t) for t in node.output_tensors)
 
+    last = nodes[-1]
+    head = int(len(nodes) > 1 and len(outputs) == 1 and outputs[0] is last.output_tensors[0] and _is_projection(last))
     cuts = []
     alive = {id(t) for t in inputs}
-    for i, node in enumerate(nodes[:-1]):
+    for i, node in enumerate(nodes[: len(nodes) - 1 - head]):
         alive.update(id(t) for t in node.output_tensors)
         alive = {t for t in alive if last_use.get(t, -1) > i}
         if sum(t not in side for t in alive) == 1:
             cuts.append(i)
-    return Graph(
-        nodes=nodes,
+    return dataclasses.replace(
+        g,
         inputs=inputs,
         outputs=outputs,
         cuts=cuts,
         sizes=[_size(node) for node in nodes],
         structure=(inputs_struct, outputs_struct),
+        head=head,
     )
 
 
+def _is_projection(node) -> bool:
+    layer = node.operation
+    if type(layer).__name__ == "ReversibleEmbedding":  # keras_hub's, tied or not
+        return bool(node.arguments.kwargs.get("reverse"))
+    return isinstance(layer, keras.layers.Dense)
+
+
 def choose_boundaries(graph: Graph, segments: int) -> list[int]:
-    """Up to ``segments - 1`` cuts splitting the activation volume evenly.
+    """Up to ``segments - 1`` cuts splitting the activation volume before the head evenly.
 
     Returns the node indices after which a segment ends (strictly increasing);
     fewer than asked when the cuts are too few or too close together.
     """
     if segments <= 1 or not graph.cuts:
         return []
-    cumulative = np.cumsum(graph.sizes, dtype=np.float64)
+    cumulative = np.cumsum(graph.sizes[: len(graph.sizes) - graph.head], dtype=np.float64)
     total = cumulative[-1]
     at_cuts = cumulative[graph.cuts]
     chosen: list[int] = []
