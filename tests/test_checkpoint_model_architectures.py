@@ -95,11 +95,9 @@ def test_a_keras_hub_task_model_is_cut_inside_its_backbone(rng, mode, tmp_path):
     # GPT2CausalLM's graph is two calls: its backbone (a functional model) and the tied
     # projection. The backbone's transformer layers are the cuts; the projection stays outside.
     x = {k: v[:, :8] for k, v in _tokens(rng, "gpt2").items()}
-    checkpointed, plain = assert_same_computation(lambda: tiny_gpt2_lm(dropout=0.1), x, mode=mode, segments=2)
+    checkpointed, _ = assert_same_computation(lambda: tiny_gpt2_lm(dropout=0.1), x, mode=mode, segments=2)
     assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 2
-    assert (
-        checkpointed.layers[-1] is plain.backbone.token_embedding or checkpointed.layers[-1].name == "token_embedding"
-    )
+    assert checkpointed.layers[-1].name == "token_embedding"  # the projection, called as it is
     checkpointed.save(tmp_path / "lm.keras")
     loaded = keras.models.load_model(tmp_path / "lm.keras")
     np.testing.assert_allclose(loaded(x, training=False), checkpointed(x, training=False), atol=1e-6)
