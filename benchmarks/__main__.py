@@ -54,11 +54,11 @@ def main(argv=None) -> int:
         table = (common.RESULTS / f"{name}.md").read_text()
         print(table, flush=True)
     index = common.RESULTS / "README.md"
+    # A suite's tables: its own, and any more it names in TABLES.
+    tables = [t for name in SUITES for t in getattr(importlib.import_module(f"benchmarks.{name}"), "TABLES", [name])]
     index.write_text(
         "# Benchmark results\n\n"
-        + "\n".join(
-            (common.RESULTS / f"{name}.md").read_text() for name in SUITES if (common.RESULTS / f"{name}.md").exists()
-        )
+        + "\n".join((common.RESULTS / f"{t}.md").read_text() for t in tables if (common.RESULTS / f"{t}.md").exists())
     )
     for path in plots.plot_all():
         print(f"wrote {path}")

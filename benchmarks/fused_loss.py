@@ -7,7 +7,9 @@ In a fresh process per row, one Adam step of:
 * a 100,000-class classifier (``Dense`` head on 256 features, batch 512);
 
 by ``keras train_on_batch``, ``effgrad unfused`` (``fused_loss=False``) and
-``effgrad fused`` (the default where it applies). ``logits MiB`` is one
+``effgrad fused`` (the default where it applies); for the LMs also ``effgrad
+fused + checkpoint_model`` (the task model cut inside its backbone, ``segments=
+"sqrt"``: the two tricks composed). ``logits MiB`` is one
 float32 copy of the ``[rows, vocabulary]`` logits the fused step never makes.
 A second table sweeps the vocabulary of an LM-shaped classifier (2,048 positions
 on 64 features): the unfused peak grows with the logits, the fused one with
@@ -19,6 +21,7 @@ from __future__ import annotations
 from benchmarks import common
 
 MODULE = "benchmarks.fused_loss"
+TABLES = ["fused_loss", "fused_loss_head"]  # the step; the head and loss alone
 
 
 def _model(config):
@@ -43,7 +46,38 @@ def _model(config):
     return keras.Model(inputs, keras.layers.Dense(config["vocab"])(h))
 
 
+def head_child(config: dict) -> dict:
+    """Peak of the head and loss alone at GPT-2's shapes: loss and gradients of ``(hidden, kernel)``."""
+    import keras
+    import tensorflow as tf
+
+    import effgrad
+
+    rows, depth, vocab = config["rows"], 256, 50257
+    hidden = tf.random.normal([rows, depth])
+    kernel = tf.Variable(tf.random.normal([vocab, depth], stddev=0.02))  # tied: [V, d]
+    labels = tf.random.uniform([rows], 0, vocab, tf.int32)
+    plain = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def head_and_loss():
+        with tf.GradientTape() as tape:
+            tape.watch(hidden)
+            if config["method"] == "effgrad fused":
+                loss = tf.reduce_mean(effgrad.fused_sparse_cross_entropy(hidden, kernel, labels, transposed=True))
+            else:
+                loss = plain(labels, tf.matmul(hidden, kernel, transpose_b=True))
+        d_hidden, d_kernel = tape.gradient(loss, [hidden, kernel])
+        return loss + tf.reduce_sum(d_hidden) + tf.reduce_sum(d_kernel)  # the gradients are made, then freed
+
+    head_and_loss()
+    report = effgrad.memory.measure(head_and_loss)
+    return {"transient_mib": report.extra_mib, "gradients_mib": (rows + vocab) * depth * 4 / 2**20}
+
+
 def child(config: dict) -> dict:
+    if config["model"] == "head":
+        return head_child(config)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -53,6 +87,9 @@ def child(config: dict) -> dict:
     rng = np.random.default_rng(0)
     batch, vocab = config["batch"], config["vocab"]
     model = _model(config)
+    method = config["method"]
+    if method.endswith("checkpoint_model"):
+        model = effgrad.checkpoint_model(model)
     if config["model"] == "gpt2":
         seq = config["seq"]
         tokens = rng.integers(1, vocab, (batch, seq)).astype("int32")
@@ -66,14 +103,13 @@ def child(config: dict) -> dict:
         y, w, rows = tf.constant(rng.integers(0, vocab, batch)), None, batch
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.Adam(1e-4)
-    method = config["method"]
     if method == "keras":
         model.compile(optimizer=opt, loss=loss, weighted_metrics=[])
 
         def one_step():
             return model.train_on_batch(x, y, sample_weight=w)
     else:
-        step = effgrad.build_train_step(model, loss, opt, fused_loss=method == "effgrad fused")
+        step = effgrad.build_train_step(model, loss, opt, fused_loss=method.startswith("effgrad fused"))
 
         def one_step():
             return step(x, y, w)["loss"]
@@ -97,15 +133,15 @@ def run(quick: bool = False) -> dict:
         sweep = [1000, 4000]
     else:
         shapes = [
-            ("GPT2CausalLM T=256 batch 8", {"model": "gpt2", "vocab": 50257, "seq": 256, "batch": 8, "repeats": 2}),
-            ("GPT2CausalLM T=1024 batch 4", {"model": "gpt2", "vocab": 50257, "seq": 1024, "batch": 4, "repeats": 2}),
+            ("GPT2CausalLM T=256 batch 8", {"model": "gpt2", "vocab": 50257, "seq": 256, "batch": 8, "repeats": 5}),
+            ("GPT2CausalLM T=1024 batch 4", {"model": "gpt2", "vocab": 50257, "seq": 1024, "batch": 4, "repeats": 5}),
             ("classifier 100,000 classes", {"model": "dense", "vocab": 100_000, "batch": 512, "repeats": 3}),
         ]
         sweep = [8_000, 16_000, 32_000, 64_000, 128_000]
     rows = []
     for name, base in shapes:
         group = []
-        for method in methods:
+        for method in methods + (["effgrad fused + checkpoint_model"] if base["model"] == "gpt2" else []):
             result = common.run_isolated(MODULE, {**base, "method": method})
             group.append({"shape": name, "method": method, **result})
         keras_row, unfused = group[0], group[1]
@@ -135,7 +171,40 @@ def run(quick: bool = False) -> dict:
         ("seconds", "s / step", ".3f"),
         ("time_vs_unfused", "time vs unfused", ".2f"),
     ]
-    return common.publish("fused_loss", title, rows, columns)
+    payload = common.publish("fused_loss", title, rows, columns)
+    head_table(quick)
+    return payload
+
+
+def head_table(quick: bool = False) -> dict:
+    """The head and loss alone (GPT-2's tied [50,257, 256] projection): what they add to memory."""
+    rows = []
+    for positions in [256] if quick else [2048, 4096]:
+        group = [
+            {"positions": positions, "method": method, **common.run_isolated(MODULE, config)}
+            for method in ("effgrad unfused", "effgrad fused")
+            for config in [{"model": "head", "rows": positions, "method": method}]
+        ]
+        for row in group:
+            row["beyond_gradients_mib"] = row["transient_mib"] - row["gradients_mib"]
+            row["vs_unfused"] = row["transient_mib"] / group[0]["transient_mib"]
+            row["beyond_vs_unfused"] = row["beyond_gradients_mib"] / group[0]["beyond_gradients_mib"]
+        rows.extend(group)
+    title = (
+        "Head + loss alone at GPT-2's tied projection (V=50,257, d=256): memory a tf.function computing the loss "
+        "and the gradients of (hidden, kernel) adds, fresh process per row; 'gradients' = those two, which any "
+        "method makes"
+    )
+    columns = [
+        ("positions", "positions", ","),
+        ("method", "method", ""),
+        ("transient_mib", "added MiB", ".1f"),
+        ("vs_unfused", "vs unfused", ".3f"),
+        ("gradients_mib", "gradients MiB", ".1f"),
+        ("beyond_gradients_mib", "beyond gradients MiB", ".1f"),
+        ("beyond_vs_unfused", "beyond vs unfused", ".3f"),
+    ]
+    return common.publish("fused_loss_head", title, rows, columns)
 
 
 if __name__ == "__main__":
