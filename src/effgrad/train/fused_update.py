@@ -50,7 +50,7 @@ import tensorflow as tf
 
 from effgrad import _compat
 from effgrad.remat import graph
-from effgrad.train import accumulate, flows, local_grad, update
+from effgrad.train import accumulate, flows, inplace, local_grad, update
 from effgrad.train import objective as objective_lib
 
 __all__ = ["decide", "step"]
@@ -197,7 +197,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
         final = update.Update(second, regularizer_grads(second), factor=factor)
         grads = [final.gradient(j, clip) for j in range(len(second))]
         known = len(branch.get_operations())
-        with _compat.gradients_already_reduced(train_step.optimizer):
+        with _compat.gradients_already_reduced(train_step.optimizer), inplace.compiled(train_step.optimizer):
             train_step.optimizer.apply(grads, trained)
         sizes = [math.prod(v.shape) for v in trained]
         overlap = getattr(train_step.optimizer, "updates_in_flight", 1)
@@ -343,6 +343,8 @@ def _writes_per_gradient(grads: list, update_ops: list) -> dict:
 
 def _is_write(op) -> bool:
     kind = op.type
+    if kind == "StatefulPartitionedCall":  # a compiled update (effgrad.train.inplace) writes inside
+        return any(t.dtype == tf.resource for t in op.inputs)
     return (kind.startswith("Assign") and kind.endswith("VariableOp")) or kind.startswith("ResourceScatter")
 
 

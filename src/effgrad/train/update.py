@@ -29,7 +29,7 @@ import warnings
 import tensorflow as tf
 
 from effgrad import _compat, distribute
-from effgrad.train import accumulate
+from effgrad.train import accumulate, inplace
 
 __all__ = ["Update", "Noise", "squared_norm", "regularization", "apply_or_skip", "warn_unconnected"]
 
@@ -181,7 +181,7 @@ def apply_or_skip(
             variable.assign(value)
 
     # Entered here, in the one cross-replica thread, not in each replica's.
-    with _compat.gradients_already_reduced(optimizer):
+    with _compat.gradients_already_reduced(optimizer), inplace.compiled(optimizer):
         return distribute.apply_or_skip(strategy, apply_flag, apply, args=(tensors, [v for _, v in commit]))
 
 

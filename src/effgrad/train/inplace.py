@@ -1,0 +1,90 @@
+"""Optimizer updates without temporaries: a large variable's update as one XLA function, in place.
+
+Keras runs an optimizer's update of a variable op by op. Adam's
+
+    m += (g - m) (1 - b1);   v += (g^2 - v) (1 - b2);   theta -= m alpha / (sqrt(v) + eps)
+
+makes a variable-sized temporary at nearly every op, several alive at once:
+on a 49 MiB table (GPT-2's token embedding) the update holds 128 MiB more
+than the variables (AdamW 177, SGD with momentum 64). Compiled by XLA, the
+same update is one fused loop that reads ``g, m, v, theta`` and writes the
+three variables in place: 0 MiB more (measured, one process per optimizer).
+On 8 Dense 2048x2048 layers with Adam the step's peak falls from 642 to 514
+MiB gathered and from 440 to 424 MiB with ``fused_update``.
+
+So while the train step's ``optimizer.apply`` runs, :func:`compiled` makes
+the update of each variable of at least ``MIN_ELEMENTS`` numbers one
+``tf.function(jit_compile=True)`` around Keras's own ``update_step``: the
+same arithmetic, the same slots, the same checkpoints.
+
+Trap:
+    XLA compiles each large variable's update once, at the first step (a
+    fraction of a second each). Sparse gradients (an embedding's
+    ``IndexedSlices``), small variables, optimizers other than Keras's own
+    per-variable ones, and updates under a ``tf.distribute`` strategy other
+    than the default run op by op, as Keras runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+__all__ = ["MIN_ELEMENTS", "SUPPORTED", "compiled"]
+
+# 4 MiB of float32: below it the temporaries are small, and a compilation costs more than it saves.
+MIN_ELEMENTS = 2**20
+
+# Keras's optimizers whose update_step touches only the variable, its slots and scalars.
+SUPPORTED = (
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Lion,
+    keras.optimizers.SGD,
+    keras.optimizers.Adafactor,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Lamb,
+    keras.optimizers.Ftrl,
+)
+
+
+@contextlib.contextmanager
+def compiled(optimizer):
+    """While it is open, ``optimizer.update_step`` runs large dense updates as XLA functions.
+
+    Only the exact classes of ``SUPPORTED`` are changed (a subclass may
+    compute what XLA cannot). The compiled updates are kept on the optimizer
+    (one per variable), so a retraced step reuses them.
+    """
+    if type(optimizer) not in SUPPORTED:
+        yield
+        return
+    plain = optimizer.update_step
+    cache = optimizer.__dict__.setdefault("_effgrad_compiled_updates", {})
+
+    def update_step(gradient, variable, learning_rate):
+        if (
+            isinstance(gradient, tf.IndexedSlices)
+            or variable.shape.num_elements() is None
+            or variable.shape.num_elements() < MIN_ELEMENTS
+            or tf.distribute.has_strategy()
+        ):
+            return plain(gradient, variable, learning_rate)
+        if id(variable) not in cache:  # the function holds the variable: its id stays its own
+            cache[id(variable)] = tf.function(
+                lambda g, lr, variable=variable: plain(g, variable, lr), jit_compile=True, autograph=False
+            )
+        cache[id(variable)](gradient, tf.convert_to_tensor(learning_rate))
+
+    # object.__setattr__: a plain instance attribute, no Keras tracking; gone when apply() returns.
+    object.__setattr__(optimizer, "update_step", update_step)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "update_step")
