@@ -9,8 +9,9 @@ on a 49 MiB table (GPT-2's token embedding) the update holds 128 MiB more
 than the variables (AdamW 177, SGD with momentum 64). Compiled by XLA, the
 same update is one fused loop that reads ``g, m, v, theta`` and writes the
 three variables in place: 0 MiB more (measured, one process per optimizer).
-On 8 Dense 2048x2048 layers with Adam the step's peak falls from 642 to 514
-MiB gathered and from 440 to 424 MiB with ``fused_update``.
+On 8 Dense 2048x2048 layers with Adam the step's peak falls from 669 to 526
+MiB gathered and from 440 to 409 MiB with ``fused_update`` (the floor: 401),
+and the step is faster (``python -m benchmarks run step_floor``).
 
 So while the train step's ``optimizer.apply`` runs, :func:`compiled` makes
 the update of each variable of at least ``MIN_ELEMENTS`` numbers one
@@ -21,37 +22,24 @@ Trap:
     XLA compiles each large variable's update once, at the first step (a
     fraction of a second each). Sparse gradients (an embedding's
     ``IndexedSlices``), small variables, optimizers other than Keras's own
-    per-variable ones, and updates under a ``tf.distribute`` strategy other
-    than the default run op by op, as Keras runs them.
+    per-variable ones (subclasses included; ``compact_state`` compiles its
+    own updates), and updates under a ``tf.distribute`` strategy other than
+    the default run op by op, as Keras runs them.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import keras
 import tensorflow as tf
+
+# Keras's per-variable optimizers: an update_step that touches only the variable, its slots, scalars.
+from effgrad.train.compact import SUPPORTED
 
 __all__ = ["MIN_ELEMENTS", "SUPPORTED", "compiled"]
 
 # 4 MiB of float32: below it the temporaries are small, and a compilation costs more than it saves.
 MIN_ELEMENTS = 2**20
-
-# Keras's optimizers whose update_step touches only the variable, its slots and scalars.
-SUPPORTED = (
-    keras.optimizers.Adam,
-    keras.optimizers.AdamW,
-    keras.optimizers.Adamax,
-    keras.optimizers.Nadam,
-    keras.optimizers.RMSprop,
-    keras.optimizers.Lion,
-    keras.optimizers.SGD,
-    keras.optimizers.Adafactor,
-    keras.optimizers.Adagrad,
-    keras.optimizers.Adadelta,
-    keras.optimizers.Lamb,
-    keras.optimizers.Ftrl,
-)
 
 
 @contextlib.contextmanager
