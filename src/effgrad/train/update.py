@@ -171,9 +171,13 @@ def apply_or_skip(
     def apply(tensors, commit_values):
         final = update.with_tensors(tensors)
         clip = final.clip()
-        grads = [final.gradient(j, clip) for j in range(len(final.raw))]
-        if accumulators is not None:
-            writes = [acc.assign(g, read_value=False) for acc, g in zip(accumulators, grads)]
+        if accumulators is None:
+            grads = [final.gradient(j, clip) for j in range(len(final.raw))]
+        else:  # one at a time: each final gradient is a buffer until it replaces its accumulator's
+            writes = []
+            for j, acc in enumerate(accumulators):
+                with tf.control_dependencies(writes[-1:]):
+                    writes.append(acc.assign(final.gradient(j, clip), read_value=False))
             with tf.control_dependencies(writes):
                 grads = [accumulate.read(acc, v.shape) for acc, v in zip(accumulators, variables)]
         optimizer.apply(grads, variables)
