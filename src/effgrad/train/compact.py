@@ -331,9 +331,9 @@ class _CompactState:
         An int8 update is one XLA loop on one thread: with one at a time (1, as
         for any optimizer), a bias between two kernels kept the next kernel
         waiting and a core idle. Measured (8 Dense 2048x2048, batch 64, fused,
-        2 cores, ad hoc): one at a time 251-269 MiB at 156-159 ms per step, one
-        more kernel in flight 310-319 MiB at 119-122 ms (Keras, float32 Adam:
-        453 MiB, 104 ms).
+        each update in place, 2 cores, ad hoc): one at a time 228 MiB at
+        234-265 ms per step, one more kernel in flight 256-263 MiB at 187-206
+        ms (Keras, float32 Adam: 454 MiB, 167 ms).
         """
         return 2 if self.compact_dtype == "int8" else 1
 
