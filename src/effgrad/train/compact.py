@@ -6,7 +6,7 @@ fine-tuning step whose gradients are consumed in backward
 returns the same optimizer with each slot stored in 8 or 16 bits; each
 variable's slots are expanded to float32, updated and compressed again
 inside that variable's own update (one XLA-compiled loop over parts of
-2^18 numbers, the variables one after another), so no float32 copy of all
+2^18 numbers that writes the variable in place), so no float32 copy of all
 slots exists.
 
 int8 is block-wise (Dettmers et al., "8-bit Optimizers via Block-wise
