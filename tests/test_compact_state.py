@@ -372,10 +372,10 @@ def test_the_step_peak_falls_by_most_of_the_state_it_no_longer_keeps():
     # updates in flight, updates_in_flight), where gathered holds all six at once (measured 47.7
     # MiB fused against 67.6 gathered).
     assert peaks["int8 fused"] <= peaks["int8"] - 0.35 * 6 * kernel, peaks
-    # Each compact update writes the variable and its codes in place, inside XLA: the fused step
-    # holds 2.9 kernels beyond weights, state and batch (11.5 MiB; returning new values to be
-    # assigned made 4.4, and left 3-6 MiB of XLA's output buffers held by the variables after the
-    # step, against 0.8 now).
+    # Each compact update reads and writes the variable and its codes inside XLA, the variable in
+    # place (the codes into new buffers): the fused step holds 2.9 kernels beyond weights, state
+    # and batch (11.5 MiB; returning new values to be assigned made 4.4, and left 3-6 MiB of XLA's
+    # output buffers held by the variables after the step, against 0.8 now).
     fused = runs["int8 fused"]
     assert fused["peak"] <= fused["held"] + 3.5 * kernel, (fused["peak"] - fused["held"]) / 2**20
     for key, run in runs.items():
