@@ -110,6 +110,30 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     assert "micro_batches" in text and "measured MiB" in text and "<- chosen" in text and "over budget" in text
 
 
+def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monkeypatch):
+    # TensorFlow keeps traced graphs and some of their buffers after planning (7-37 MiB measured
+    # after planning ResNet50): training runs next to them. Here planning "leaves" enough that the
+    # plain step, which fits without it, must give way to micro-batches.
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    roomy = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=2**30, verbose=False)
+    plain = {c.key: c for c in roomy.table}[(1, None, False)]
+    budget = int(max(plain.predicted_bytes, plain.measured_bytes + 2 * 2**20) / 0.95)  # the plain step is tried
+    leaves = int(0.95 * budget) - plain.measured_bytes + 2 * 2**20
+    real, calls = effgrad.memory.current_bytes, []
+
+    def current_bytes(device=None):
+        calls.append(device)  # the first call is planning's start; the second, its end
+        return real(device) + (leaves if len(calls) > 1 else 0)
+
+    monkeypatch.setattr(effgrad.memory, "current_bytes", current_bytes)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=budget, verbose=False)
+    assert len(calls) == 2 and planned.left_bytes >= leaves, planned
+    assert planned.micro_batches > 1 and planned.peak_bytes <= 0.95 * budget, str(planned)
+    assert "MiB left by planning counted in" in str(planned)
+    plain_row = {c.key: c for c in planned.table}[(1, None, False)]
+    assert not plain_row.fits and "planning left" in plain_row.note, str(planned)
+
+
 def test_a_faster_configuration_replaces_the_plain_step_only_beyond_timing_noise():
     def best(plain_seconds, micro_seconds):
         table = [planner.Candidate(1, seconds=plain_seconds, fits=True),
