@@ -51,7 +51,8 @@ def test_quick_benchmarks_write_results_tables_and_plots(tmp_path, group):
         capture_output=True,
         text=True,
         timeout=900,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        # One thread per op, as in the test workers (conftest): the other worker has the other core.
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_NUM_INTRAOP_THREADS="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     tables = [t for suite in suites for t in getattr(importlib.import_module(f"benchmarks.{suite}"), "TABLES", [suite])]
