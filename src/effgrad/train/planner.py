@@ -24,16 +24,17 @@ error, half the allocator's run-to-run noise and what ``fit`` adds (the next
 batch its input pipeline prepares).
 
 Each family builds one real :class:`effgrad.TrainStep` with the caller's
-optimizer when it is built (``"auto"`` builds it: training uses it next), else
-with a clone; a configuration's peak is the resident state counted from shapes
-(model variables, optimizer variables, accumulators) plus what a call added
-at its worst on the device allocator (:func:`effgrad.memory.measure`'s
-``extra_bytes``: the batch, activations, gradients), the largest of three calls:
-independent of whatever else the process allocated before. Planning changes
-nothing: every model variable (weights, BatchNorm statistics, dropout seed
-states) and a ``LossScale`` passed in are copied to the host first and
-restored after each family, and so are the caller's optimizer's slots and
-iterations when it is the one used.
+optimizer (built for the model first if it is not: training uses it next,
+and a clone's slots would stay on the device as long as TensorFlow keeps
+the traced steps that used them, 110 MiB on the GPT-2 LM); a configuration's
+peak is the resident state counted from shapes (model variables, optimizer
+variables, accumulators) plus what a call added at its worst on the device
+allocator (:func:`effgrad.memory.measure`'s ``extra_bytes``: the batch,
+activations, gradients), the largest of three calls: independent of whatever
+else the process allocated before. Planning changes nothing: every model
+variable (weights, BatchNorm statistics, dropout seed states), a
+``LossScale`` passed in and the optimizer's slots and iterations are copied
+to the host first and restored after each family.
 
 Trap:
     The plan holds for the batch shape it was made with: a larger batch or
@@ -263,15 +264,7 @@ class _Planner:
             and not getattr(optimizer, "global_clipnorm", None)
             and not getattr(optimizer, "compact_dtype", None)
         )
-        # The caller's optimizer when it is built (its state is restored after each family: no
-        # second copy of it on the device), else a clone, dropped with the planner.
-        inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
-        if inner.built:
-            self.optimizer = optimizer
-        else:
-            with self.strategy.scope():
-                self.optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-                self.optimizer.build(model.trainable_variables)
+        self.optimizer = optimizer  # built by plan(); its state is restored after each family
         trained = model.trainable_variables
         self.weights_bytes = _bytes(model.variables)
         self.state_bytes = _bytes(self.optimizer.variables)
@@ -282,8 +275,7 @@ class _Planner:
         # those of a LossScale object the caller passed (its scale and growth counter).
         scale = options.get("loss_scale")
         self.state = [*model.variables, *(scale.variables if isinstance(scale, tf.Module) else ())]
-        if self.optimizer is optimizer:
-            self.state += list(optimizer.variables)  # its slots and iterations, on the host meanwhile
+        self.state += list(optimizer.variables)  # its slots and iterations, on the host meanwhile
         self.snapshot = [v.numpy() for v in self.state]
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
@@ -387,8 +379,8 @@ class _Planner:
             variable.assign(value)
 
     def release(self) -> None:
-        """Drops what planning made on the device (steps, their accumulators, an optimizer clone, the
-        snapshot: a CPU tensor's ``numpy()`` shares its buffer).
+        """Drops what planning made on the device (steps, their accumulators, the snapshot: a CPU
+        tensor's ``numpy()`` shares its buffer).
 
         A traced step and its functions refer to each other: only a collection frees them, and
         training (the budget holds at fit level) should not start next to them.
@@ -486,6 +478,13 @@ class _Planner:
         return min(close, key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update, c.seconds))
 
 
+def count_left(candidates, left: int, limit: float) -> None:
+    """Marks the measured candidates that no longer fit ``limit`` next to ``left`` bytes planning left."""
+    for c in candidates:
+        if c.fits and c.measured_bytes + left > limit:
+            c.fits, c.note = False, f"over budget with the {left / _MIB:,.1f} MiB planning left"
+
+
 def same_speed(seconds: float, fastest: float) -> bool:
     """Whether a measured step time is the fastest's, within timing noise (5% or 5 ms)."""
     return seconds <= max(_SAME_SPEED * fastest, fastest + _JITTER_SECONDS)
@@ -535,8 +534,11 @@ def plan(
         model: A built ``keras.Model`` (functional or Sequential to allow
             checkpointing; any model for micro-batching).
         loss: As for :func:`effgrad.build_train_step`.
-        optimizer: The optimizer training will use (only its config is used:
-            planning builds and steps a clone).
+        optimizer: The optimizer training will use. Planning builds it for
+            the model if it is not built (training uses it next; a clone's
+            slots would stay on the device for as long as TensorFlow keeps
+            the traced steps that used them) and restores its state after
+            each configuration.
         x: One batch of inputs, of the size training will use.
         y: Its targets.
         budget: Bytes (int), a size string (``"300MiB"``, ``"6GiB"``) or a
@@ -568,6 +570,10 @@ def plan(
     StepOptions(**step_options)  # every bad option is refused before any work
     if not getattr(model, "built", False):
         raise ValueError("plan() needs a built model: call it once on a batch, or build it, first.")
+    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+    if not inner.built:  # the one training uses next: no second copy of the state on the device
+        with (strategy or tf.distribute.get_strategy()).scope():
+            optimizer.build(model.trainable_variables)
     resident = memory.current_bytes()  # what planning may leave behind is counted from here
     planner = _Planner(
         model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options), verbose
@@ -600,9 +606,7 @@ def plan(
     # stays there while training runs: each measured peak carries it.
     left = max(0, memory.current_bytes() - resident)
     if left:
-        for c in planner.candidates.values():
-            if c.fits and c.measured_bytes + left > (1 - margin / 2) * budget_bytes:
-                c.fits, c.note = False, f"over budget with the {left / _MIB:,.1f} MiB planning left"
+        count_left(planner.candidates.values(), left, (1 - margin / 2) * budget_bytes)
         best = planner.best()
     table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
     if best is None:
@@ -683,12 +687,6 @@ class PlannedTrainStep:
         """Plans for this batch (once): :attr:`plan`."""
         if self.plan is None:
             options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
-            # The step that follows trains with this optimizer: built now, planning steps it (state
-            # restored after) instead of a clone whose slots would be a second copy on the device.
-            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-            if not inner.built:
-                with (options.get("strategy") or tf.distribute.get_strategy()).scope():
-                    self.optimizer.build(self.model.trainable_variables)
             self.plan = plan(
                 self.model, self.loss, self.optimizer, x, y, budget=self.budget_bytes, sample_weight=sample_weight,
                 margin=self.margin, verbose=self.verbose, **options,
