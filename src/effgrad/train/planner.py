@@ -570,8 +570,8 @@ def plan(
     StepOptions(**step_options)  # every bad option is refused before any work
     if not getattr(model, "built", False):
         raise ValueError("plan() needs a built model: call it once on a batch, or build it, first.")
-    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
-    if not inner.built:  # the one training uses next: no second copy of the state on the device
+    # The optimizer training uses next, built now: no second copy of its state on the device.
+    if not getattr(optimizer, "inner_optimizer", optimizer).built:
         with (strategy or tf.distribute.get_strategy()).scope():
             optimizer.build(model.trainable_variables)
     resident = memory.current_bytes()  # what planning may leave behind is counted from here
