@@ -132,7 +132,7 @@ def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(tmp
     np.testing.assert_array_equal(np.load(path), expected)
 
 
-def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch):
+def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch, request):
     """A KeyboardInterrupt raised inside a __del__ (TensorFlow runs many) is only printed by Python: the run
     must still stop, at the next batch boundary, with its rows committed."""
     from effgrad.explain import engine
@@ -149,6 +149,9 @@ def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch):
             Finalizer()  # dropped at once, in the main thread
 
     monkeypatch.setattr(engine._Writer, "submit", submit_then_finalize)
+    # Python's handler, as in an interactive run (a background job of a non-interactive shell ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     path = tmp_path / "maps.npy"
     with pytest.raises(KeyboardInterrupt):
         effgrad.saliency(_model(), x, batch_size=8, out=path, progress=False)
