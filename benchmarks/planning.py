@@ -99,8 +99,10 @@ def child(config: dict) -> dict:
     model, x, y, loss = _setup(config["model"])
     optimizer = keras.optimizers.Adam(1e-4)
     if role == "probe":
-        optimizer.build(model.trainable_variables)  # as plan() does: its slots count in every peak
-        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False)
+        before = effgrad.memory.current_bytes()
+        optimizer.build(model.trainable_variables)  # as plan() does: its slots, as allocated, count in every peak
+        built = effgrad.memory.current_bytes() - before
+        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
         plain = probe.measure(1, None)
         smallest = [probe.measure(_rows(x), None)]
         segments = planner._segment_choices(model)
