@@ -178,7 +178,8 @@ class MemoryPlan:
         planning_seconds: Time planning took.
         batch_size: Rows of the batch planned for.
         floor_bytes: What no configuration goes below (weights, optimizer
-            state, the batch, one gradient buffer), counted from shapes.
+            state, the batch, one gradient buffer), counted from shapes (an
+            optimizer state planning built, as the allocator holds it).
         left_bytes: What planning left on the device (TensorFlow keeps traced
             graphs and some of their buffers): training runs next to it, so
             every measured peak plus it must fit.
@@ -290,18 +291,9 @@ class _Planner:
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
 
-        # What the allocator holds for the optimizer's state when planning built it, not only its shapes:
-        # a buffer placed in a free chunk less than twice its size takes the whole chunk (measured: Adam's
-        # 110.7 MiB of GPT-2 LM slots held 133.6 MiB), and training keeps the state as it was allocated.
-        # (Accumulators are made again for training, where another history may place them better: a
-        # probe made here held 75.2 MiB for 55.4, training's 61.6; counting the probe's cost 5x planning
-        # time on the GPT-2 LM for budgets it then met with 70 MiB to spare.)
-        self.state_bytes = max(_bytes(self.optimizer.variables), built_bytes)
-        self.accumulator_bytes = 4 * sum(int(np.prod(v.shape)) for v in trained)
-
     # ------------------------------------------------------------- shapes
     def floor(self) -> int:
-        """What no configuration goes below, from shapes: weights, state, batch, one gradient buffer."""
+        """What no configuration goes below, before any trace: weights, state, batch, one gradient buffer."""
         gradient = self.largest_bytes if self.can_fuse and self.fewest == 1 else self.accumulator_bytes
         return self.weights_bytes + self.state_bytes + self.batch_bytes + gradient
 
