@@ -126,10 +126,15 @@ def test_ctrl_c_ends_with_one_line_and_resume_finishes(run, tmp_path, rng):
     out, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
     command = [sys.executable, "-m", "effgrad.cli", "saliency", str(tmp_path / "m.keras"), str(tmp_path / "x.npy"),
                "--out", str(out), "--batch-size", "8", "--no-progress"]  # fmt: skip
-    # Python's own Ctrl-C handler in the child even when this process ignores SIGINT (a background job of a
-    # non-interactive shell does, and its children inherit that).
-    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    # Ctrl-C handled in the child even when this process ignores SIGINT (a background job of a non-interactive
+    # shell does, and a child inherits an ignored signal; a handled one is reset to the default at exec).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        child = subprocess.Popen(
+            command, stderr=subprocess.PIPE, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.time() + 120
     while time.time() < deadline and child.poll() is None:
         if journal.exists() and json.loads(journal.read_text())["committed"] > 0:
