@@ -99,9 +99,7 @@ def child(config: dict) -> dict:
     model, x, y, loss = _setup(config["model"])
     optimizer = keras.optimizers.Adam(1e-4)
     if role == "probe":
-        before = effgrad.memory.current_bytes()
-        optimizer.build(model.trainable_variables)  # as plan() does: its slots, as allocated, count in every peak
-        built = effgrad.memory.current_bytes() - before
+        built = planner.build_optimizer(optimizer, model)  # as plan() does: its state, as allocated, in every peak
         probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
         plain = probe.measure(1, None)
         smallest = [probe.measure(_rows(x), None)]

@@ -486,6 +486,19 @@ class _Planner:
         return min(close, key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update, c.seconds))
 
 
+def build_optimizer(optimizer, model, strategy=None) -> int:
+    """Builds ``optimizer`` for ``model`` if it is not built; returns what its state took on the allocator.
+
+    Planning steps the optimizer training uses next (no second copy of its state on the device), and
+    counts its state as allocated: 0 when it was built before.
+    """
+    before = memory.current_bytes()
+    if not getattr(optimizer, "inner_optimizer", optimizer).built:
+        with (strategy or tf.distribute.get_strategy()).scope():
+            optimizer.build(model.trainable_variables)
+    return memory.current_bytes() - before
+
+
 def _say(line: str) -> None:
     """One progress line of planning, on stderr (``verbose``)."""
     print(f"effgrad plan: {line}", file=sys.stderr, flush=True)
@@ -583,12 +596,7 @@ def plan(
     StepOptions(**step_options)  # every bad option is refused before any work
     if not getattr(model, "built", False):
         raise ValueError("plan() needs a built model: call it once on a batch, or build it, first.")
-    # The optimizer training uses next, built now: no second copy of its state on the device.
-    resident = memory.current_bytes()
-    if not getattr(optimizer, "inner_optimizer", optimizer).built:
-        with (strategy or tf.distribute.get_strategy()).scope():
-            optimizer.build(model.trainable_variables)
-    built = memory.current_bytes() - resident  # its state as the allocator holds it (0: built before)
+    built = build_optimizer(optimizer, model, strategy)
     planner = _Planner(
         model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options), verbose,
         built_bytes=built,
@@ -661,17 +669,14 @@ def plan(
     for c in table:
         if c.fits and c is not best and not c.note:
             c.note = "fits, slower"
-    seconds = time.perf_counter() - started
+    peak, seconds = best.measured_bytes + left, time.perf_counter() - started
     if verbose:
-        _say(
-            f"chose {best.describe()}: {(best.measured_bytes + left) / _MIB:,.1f} MiB, {best.seconds:.3f} s/step "
-            f"(planned in {seconds:.1f} s)"
-        )
+        _say(f"chose {best.describe()}: {peak / _MIB:,.1f} MiB, {best.seconds:.3f} s/step (planned in {seconds:.1f} s)")
     return MemoryPlan(
         micro_batches=best.micro_batches,
         segments=best.segments,
         fused_update=best.fused_update,
-        peak_bytes=best.measured_bytes + left,
+        peak_bytes=peak,
         seconds_per_step=best.seconds,
         budget_bytes=budget_bytes,
         margin=margin,
