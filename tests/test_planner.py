@@ -120,9 +120,10 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
     def current_bytes(device=None):
         return real(device) + (16 * 2**20 if released else 0)
 
-    def release_and_leave(self):
-        release(self)
+    def release_and_leave(self, keep=None):
+        kept = release(self, keep)
         released.append(True)  # from now on, 16 MiB more are held
+        return kept
 
     monkeypatch.setattr(effgrad.memory, "current_bytes", current_bytes)
     monkeypatch.setattr(planner._Planner, "release", release_and_leave)
@@ -171,19 +172,56 @@ def test_a_faster_configuration_replaces_the_plain_step_only_beyond_timing_noise
     assert best(0.200, 0.100) == 2  # clearly faster
 
 
-def test_planned_step_is_still_the_full_batch_update(rng):
+@pytest.mark.parametrize(
+    "per_micro, measured",
+    [(0.05, {2, 4, 16}), (-0.01, {4, 16, 32})],  # each micro-batch costs time / small ones run faster per row
+)
+def test_only_micro_batch_counts_predicted_as_fast_as_a_measured_fit_are_measured(per_micro, measured):
+    # Batch 32, a peak of 600 + 15 per row (the plain step is over the 1000-byte budget), a step time
+    # linear in k. The line measures k = 16 and 4; of the others predicted to fit (2, 8, 32), only
+    # those predicted within 5% of the fastest measured fit are worth a measurement.
+    fake = planner._Planner.__new__(planner._Planner)
+    fake.batch, fake.fewest, fake.can_fuse, fake.margin, fake.budget, fake.candidates = 32, 1, False, 0.1, 1000, {}
+    fake.accumulator_bytes = fake.largest_bytes = 0
+
+    def measure(k, segments=None, fused=False, calls=3):
+        c = fake.candidate(k, segments, fused)
+        c.measured_bytes, c.seconds = 600 + 15 * -(-32 // k), 1.0 + per_micro * k
+        c.fits = c.measured_bytes <= 950
+        return c
+
+    fake.measure = measure
+    fake.explore(None)
+    assert {c.micro_batches for c in fake.candidates.values() if c.seconds is not None} == measured
+    skipped = [c for c in fake.candidates.values() if c.micro_batches > 1 and c.seconds is None]
+    assert skipped and all(c.note.startswith("not measured: predicted") for c in skipped), fake.candidates
+
+
+def test_planned_step_is_still_the_full_batch_update_and_trains_on_the_planned_trace(rng, monkeypatch):
     x, y = _data(rng, (32,), 1024)
     planned_model, plain_model = _wide_mlp(), _wide_mlp()
     budget = int(0.7 * _measured_peak(_wide_mlp(), x, y, 1, None, keras.optimizers.SGD(0.1)))
+    made, init = [], effgrad.TrainStep.__init__
+    monkeypatch.setattr(effgrad.TrainStep, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
     step = effgrad.build_train_step(
-        planned_model, _LOSS, keras.optimizers.SGD(0.1), micro_batches="auto", memory_budget=budget
-    )
+        planned_model, _LOSS, keras.optimizers.SGD(0.1), micro_batches="auto", memory_budget=budget,
+        loss_scale="dynamic",
+    )  # fmt: skip
     assert step.micro_batches == "auto" and step.plan is None
     step(x, y)
+    step(x, y)
     assert step.plan.peak_bytes <= budget and step.micro_batches == step.plan.micro_batches > 1
-    effgrad.build_train_step(plain_model, _LOSS, keras.optimizers.SGD(0.1))(x, y)
+    # Training runs the step planning traced for the chosen family: no step made after planning, one trace.
+    families = {(c.micro_batches > 1, c.segments, c.fused_update) for c in step.plan.table if c.measured_bytes}
+    assert len(made) == len(families) and step.step in made and step.step.trace_count == 1
+    plain = effgrad.build_train_step(plain_model, _LOSS, keras.optimizers.SGD(0.1), loss_scale="dynamic")
+    plain(x, y)
+    plain(x, y)
     for a, b in zip(planned_model.get_weights(), plain_model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The step's own loss scale (made by the step, stepped by planning's calls) was restored: two steps' worth.
+    for a, b in zip(step.loss_scale.variables, plain.loss_scale.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng):
@@ -228,8 +266,11 @@ def test_budget_forms():
         effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(), micro_batches=2, memory_budget="1GiB")
 
 
-def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng, capfd):
+def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng, capfd, monkeypatch):
     x, y = _data(rng, (32,), 1024)
+    sets, at_release, make, release = [], [], planner.accumulate.make_accumulators, planner._Planner.release
+    monkeypatch.setattr(planner.accumulate, "make_accumulators", lambda v: sets.append(make(v)) or sets[-1])
+    monkeypatch.setattr(planner._Planner, "release", lambda *a, **k: at_release.append(len(sets)) or release(*a, **k))
     planned, stock = _wide_mlp(), _wide_mlp()
     for m in (planned, stock):
         m.compile(optimizer=keras.optimizers.SGD(0.05), loss=_LOSS)
@@ -242,6 +283,9 @@ def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng, capfd):
     capfd.readouterr()
     history = planned.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
     assert planned.effgrad_plan.micro_batches > 1 and planned.effgrad_step.micro_batches > 1
+    # The attached step took the accumulators the plan measured with, as allocated: none made after planning.
+    assert planned.effgrad_plan.step is None and at_release == [len(sets)], (at_release, len(sets))
+    assert any([id(a) for a in planned.effgrad_step._accumulators] == [id(a) for a in s] for s in sets)
     # Visible before epoch 1: a line before the first trace, one per measured configuration, the choice.
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("effgrad plan: ")]
     assert "measuring configurations" in lines[0] and "batch 512" in lines[0], lines

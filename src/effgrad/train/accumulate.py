@@ -135,7 +135,7 @@ def free_accumulators(accumulators: Sequence[tf.Variable]) -> None:
 _released: list[list[tf.Variable]] = []
 
 
-def free_when_collected(owner, accumulators: Sequence[tf.Variable]) -> None:
+def free_when_collected(owner, accumulators: Sequence[tf.Variable]) -> weakref.finalize:
     """Empties ``accumulators`` once ``owner`` (their step) is garbage-collected.
 
     Trap: a collection can run in the middle of tracing, with the graph's
@@ -143,7 +143,9 @@ def free_when_collected(owner, accumulators: Sequence[tf.Variable]) -> None:
     emptied at once only when the collection happens eagerly, else at the
     next safe point (the next ``make_accumulators``, or ``free_released``).
     """
-    weakref.finalize(owner, _release, list(accumulators)).atexit = False
+    finalizer = weakref.finalize(owner, _release, list(accumulators))
+    finalizer.atexit = False
+    return finalizer  # detach() it when the accumulators pass to another owner
 
 
 def _release(accumulators: list) -> None:

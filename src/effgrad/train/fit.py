@@ -88,9 +88,10 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     return _attach(model, dict(step_options), forward=model)
 
 
-def _attach(model, given: dict, forward) -> keras.Model:
+def _attach(model, given: dict, forward, planned=None) -> keras.Model:
     """``attach`` with checked options; ``forward`` computes the predictions (``model``, or a
-    ``checkpoint_model`` of it sharing its variables)."""
+    ``checkpoint_model`` of it sharing its variables); ``planned``: the plan's step, whose
+    accumulators the step takes as they were allocated (the plan's peaks were measured with them)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
     objective = objective_lib.Objective.of_compiled(model, given.get("reduction"))
     options = {
@@ -108,7 +109,9 @@ def _attach(model, given: dict, forward) -> keras.Model:
     # Without compiled metrics nothing reads y_pred; with accuracy and top-k only, the loss may still be
     # fused with the last layer (they are computed from the chunks).
     on_micro_batch = CompiledMetrics(model) if _compat.has_compiled_metrics(model) else None
-    step = TrainStep(forward, objective, model.optimizer, on_micro_batch=on_micro_batch, **options)
+    step = TrainStep(
+        forward, objective, model.optimizer, on_micro_batch=on_micro_batch, _accumulators_of=planned, **options
+    )
     compiled_with = _compat.compile_state(model)
 
     def train_step(data):
@@ -279,7 +282,8 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
         def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
             plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
             _compat.hook_method(model, "fit", "plan", None, order=1)  # planned once: later fits train with it
-            _attach(model, {**options, **plan.step_options}, plan.model)
+            taken, plan.step = plan.step, None  # handed over once
+            _attach(model, {**options, **plan.step_options}, plan.model, taken)
             model.effgrad_plan = plan
             return model.fit(x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
 

@@ -6,8 +6,9 @@ Algorithm::
         buffer any configuration needs (one gradient for a fused k=1 step, else the
         accumulator); a budget below that is refused at once, with the breakdown
     per family (one trace each: the number of micro-batches is a runtime value of the step):
-        micro-batched (k >= 2): measure two safe k, fit  peak = fixed + per_row * rows;
-                                predict every k; measure those predicted to fit
+        micro-batched (k >= 2): measure two safe k, fit  peak = fixed + per_row * rows  and
+                                time = rest + per_micro * k;  predict every k; measure those
+                                predicted to fit and to be as fast as the fastest measured fit
         plain (k = 1):          predicted from the same line (no accumulator); measured if
                                 predicted to fit; and fused_update=True (each update inside
                                 backprop) where weights outweigh activations
@@ -16,6 +17,8 @@ Algorithm::
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
     (TensorFlow keeps traced graphs and some of their buffers; training runs next to them)
+    hand the chosen family's step to training (build_train_step(micro_batches="auto") runs
+    it: no second trace; attach takes its accumulators, as allocated, which the peaks counted)
 
 A configuration is tried only when its prediction is at most ``(1 - margin)``
 of the budget, and fits when its measured peak is at most ``(1 - margin / 2)``
@@ -185,6 +188,10 @@ class MemoryPlan:
             every measured peak plus it must fit.
         model: The model to train: the one given, or its ``checkpoint_model``
             (sharing its variables) when the plan checkpoints.
+        step: The chosen configuration's traced step, which training takes
+            (``build_train_step(micro_batches="auto")``; ``attach`` takes its
+            accumulators). ``None`` from :func:`plan`, which keeps nothing on
+            the device.
     """
 
     micro_batches: int
@@ -200,6 +207,7 @@ class MemoryPlan:
     floor_bytes: int = 0
     left_bytes: int = 0
     model: keras.Model | None = dataclasses.field(default=None, repr=False, compare=False)
+    step: TrainStep | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def step_options(self) -> dict:
@@ -324,15 +332,24 @@ class _Planner:
     def _step(self, micro_batches: int, segments: int | None, fused: bool) -> TrainStep:
         """The family's one step: micro-batched ones share a trace whatever their number.
 
-        Only one family's step is kept: another's accumulators would sit on the device meanwhile.
+        Only the current family's accumulators are filled: another's would sit on the device meanwhile
+        (its step is kept, emptied: training may take the chosen one, trace and all).
         """
         family = (micro_batches > 1, segments, fused)
+        for other, step in self.steps.items():
+            if other != family:
+                accumulate.free_accumulators(step._accumulators or [])
         if family not in self.steps:
-            self._drop_steps()
             options = {**self.options, "micro_batches": max(micro_batches, 1), "strategy": self.strategy}
             if micro_batches == 1:
                 options["fused_update"] = fused
-            self.steps[family] = TrainStep(self.model_for(segments), self.loss, self.optimizer, **options)
+            step = TrainStep(self.model_for(segments), self.loss, self.optimizer, **options)
+            # What the step made for itself (a loss scale, the noise-scale statistics) is restored too.
+            own = [v for part in (step.loss_scale, step.noise_scale) if isinstance(part, tf.Module)
+                   for v in part.variables if all(v is not known for known in self.state)]  # fmt: skip
+            self.state += own
+            self.snapshot += [v.numpy() for v in own]
+            self.steps[family] = step
         step = self.steps[family]
         step.micro_batches = micro_batches
         return step
@@ -346,7 +363,8 @@ class _Planner:
         try:
             step = self._step(micro_batches, segments, fused)
             run = lambda: step(self.x, self.y, self.sample_weight)["loss"]  # noqa: E731
-            run()  # traces (once per family), creates the accumulators
+            if not step.trace_count:
+                run()  # the family's first call: traces, creates the accumulators (not counted)
             # The peak varies from call to call with how the executor's threads interleave frees
             # and allocations: the largest of three calls (two for the line's points), and the
             # fastest of their times.
@@ -386,23 +404,28 @@ class _Planner:
         for variable, value in zip(self.state, self.snapshot):
             variable.assign(value)
 
-    def release(self) -> None:
+    def release(self, keep: Candidate | None = None) -> TrainStep | None:
         """Drops what planning made on the device (steps, their accumulators, the snapshot: a CPU
-        tensor's ``numpy()`` shares its buffer).
+        tensor's ``numpy()`` shares its buffer), but for ``keep``'s step, which it returns: set to
+        ``keep``'s micro-batches, its accumulators as they were allocated if its family ran last.
 
         A traced step and its functions refer to each other: only a collection frees them, and
         training (the budget holds at fit level) should not start next to them.
         """
-        self._drop_steps()
-        self.optimizer, self.snapshot = None, []
-        gc.collect()
-
-    def _drop_steps(self) -> None:
+        kept = None
+        if keep is not None:
+            kept = self.steps.pop((keep.micro_batches > 1, keep.segments, keep.fused_update), None)
+        if kept is not None:
+            kept.micro_batches = keep.micro_batches
+            kept._calls = 0  # planning's calls are not training's
         # Emptied now, not at the next collection, and whatever graph TF keeps holds no gradient.
         for step in self.steps.values():
             accumulate.free_accumulators(step._accumulators or [])
         self.steps.clear()
         accumulate.free_released()
+        self.optimizer, self.snapshot = None, []
+        gc.collect()
+        return kept
 
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:
@@ -410,7 +433,8 @@ class _Planner:
 
         The points are far apart (1/16 and 1/4 of the batch per micro-batch)
         so the allocator's noise (about 1 MiB between identical runs here)
-        does not swamp the slope. Both run on the family's one trace.
+        does not swamp the slope. Both run on the family's one trace; their
+        times give :meth:`seconds`.
         """
         rows = sorted({max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))})
         points = []
@@ -426,6 +450,25 @@ class _Planner:
         (r1, p1), (r2, p2) = points[0], points[-1]
         per_row = max(0.0, (p2 - p1) / (r2 - r1))
         return p1 - per_row * r1, per_row
+
+    def seconds(self, segments: int | None, micro_batches: int) -> float | None:
+        """A micro-batched step's time from the line's two measured points: ``k * per_micro + rest``.
+
+        Each micro-batch pays a fixed cost (its loop iteration, kernel launches, the accumulation)
+        and every row its share: the time is linear in ``k`` for a given batch (on ResNet50 batch 32,
+        k = 4 and 16 measured 0.81 and 1.55 s predict 1.06 and 2.55 s for 8 and 32: measured 1.00
+        and 2.30). A negative ``per_micro`` (small micro-batches that run faster per row, seen on
+        CPU caches) predicts more micro-batches faster, and they are measured.
+        """
+        points = sorted(
+            (c.micro_batches, c.seconds) for c in self.candidates.values()
+            if c.line and c.segments == segments and c.seconds is not None
+        )  # fmt: skip
+        if len(points) < 2 or points[0][0] == points[-1][0]:
+            return None
+        (k1, t1), (k2, t2) = points[0], points[-1]
+        per_micro = (t2 - t1) / (k2 - k1)
+        return t1 + per_micro * (micro_batches - k1)
 
     def predict(self, line, micro_batches: int, fused: bool = False) -> int:
         """A configuration's peak from the micro-batched family's line.
@@ -458,7 +501,14 @@ class _Planner:
                    and c.predicted_bytes is not None and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
         plain = [c for c in fitting if c.micro_batches == 1]
         micro = sorted((c for c in fitting if c.micro_batches > 1), key=lambda c: c.micro_batches)
+        # Fastest predicted first; one predicted slower than a measured fitting step is not measured.
+        micro.sort(key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
         for c in micro[: max(most - len(plain), 1)]:
+            measured = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments]
+            predicted = self.seconds(segments, c.micro_batches)
+            if measured and predicted is not None and not same_speed(predicted, min(measured)):
+                c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
+                continue
             self.measure(c.micro_batches, segments)
         for c in sorted(plain, key=lambda c: c.fused_update):
             if c.fused_update and self.candidate(1, segments).fits:
@@ -586,6 +636,18 @@ def plan(
             trace, with the breakdown), or nothing measured fits (the message
             names the smallest peak achievable and what dominates it).
     """
+    return _plan(
+        model, loss, optimizer, x, y, budget=budget, sample_weight=sample_weight, strategy=strategy, margin=margin,
+        verbose=verbose, keep_step=False, **step_options,
+    )  # fmt: skip
+
+
+def _plan(
+    model, loss, optimizer, x, y, *, budget, sample_weight, strategy, margin, verbose, keep_step, **step_options
+) -> MemoryPlan:
+    """:func:`plan`; with ``keep_step`` the plan's ``step`` is the chosen configuration's traced step, for
+    training to take (:class:`PlannedTrainStep`, ``attach``) right away: one trace less, and the
+    accumulators its peaks were measured with, as they were allocated."""
     started = time.perf_counter()
     budget_bytes = parse_budget(budget)
     if not 0 <= margin < 1:
@@ -629,14 +691,22 @@ def plan(
             best = planner.best()
     finally:
         planner.restore()
-        planner.release()
+        kept = planner.release(keep=best if keep_step else None)
     # What planning left on the device (TensorFlow keeps every traced graph and some of its buffers
     # for the life of the process: measured 7-37 MiB after planning ResNet50, varying run to run)
-    # stays there while training runs: each measured peak carries it.
-    left = max(0, memory.current_bytes() - resident)
+    # stays there while training runs: each measured peak carries it. Accumulators handed to
+    # training are in every micro-batched peak by their shapes already; what their allocation took
+    # beyond that is left over.
+    left = memory.current_bytes() - resident
+    if kept is not None and any(int(tf.size(a)) for a in kept._accumulators or []):
+        left -= planner.accumulator_bytes
+    left = max(0, left)
     if left:
         count_left(planner.candidates.values(), left, (1 - margin / 2) * budget_bytes)
-        best = planner.best()
+        chosen, best = best, planner.best()
+        if kept is not None and best is not chosen:  # not the step training will run
+            accumulate.free_accumulators(kept._accumulators or [])
+            kept = None
     table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
     if best is None:
         measured = [c for c in table if c.measured_bytes is not None]
@@ -686,6 +756,7 @@ def plan(
         floor_bytes=floor,
         left_bytes=left,
         model=planner.model_for(best.segments),
+        step=kept,
     )
 
 
@@ -718,17 +789,22 @@ class PlannedTrainStep:
     def choose(self, x, y, sample_weight=None) -> MemoryPlan:
         """Plans for this batch (once): :attr:`plan`."""
         if self.plan is None:
-            options = {k: v for k, v in self.options.items() if k != "on_micro_batch"}
-            self.plan = plan(
+            options = {"strategy": None, **{k: v for k, v in self.options.items() if k != "on_micro_batch"}}
+            self.plan = _plan(
                 self.model, self.loss, self.optimizer, x, y, budget=self.budget_bytes, sample_weight=sample_weight,
-                margin=self.margin, verbose=self.verbose, **options,
+                margin=self.margin, verbose=self.verbose, keep_step=True, **options,
             )  # fmt: skip
         return self.plan
 
     def __call__(self, x, y, sample_weight=None) -> dict:
         if self.step is None:
             chosen = self.choose(x, y, sample_weight)
-            self.step = TrainStep(chosen.model, self.loss, self.optimizer, **{**self.options, **chosen.step_options})
+            planned, chosen.step = chosen.step, None  # handed over once
+            if planned is not None and "on_micro_batch" not in self.options:
+                self.step = planned  # built with these options: its trace and accumulators are training's
+            else:
+                options = {**self.options, **chosen.step_options}
+                self.step = TrainStep(chosen.model, self.loss, self.optimizer, _accumulators_of=planned, **options)
         return self.step(x, y, sample_weight)
 
     @property

@@ -138,7 +138,9 @@ class TrainStep:
             ``fused_loss_reason`` says why (not). None until the first call.
     """
 
-    def __init__(self, model, loss, optimizer, **options):
+    def __init__(self, model, loss, optimizer, *, _accumulators_of: TrainStep | None = None, **options):
+        # _accumulators_of (internal): a step of the same model whose accumulators this one takes as
+        # they are allocated (effgrad.plan measured its peaks with them) instead of making new ones.
         self.options = StepOptions(**options)
         if not callable(model) or not hasattr(model, "trainable_variables"):
             raise TypeError(f"model must be a keras.Model or keras.Layer, got {type(model).__name__}.")
@@ -166,6 +168,8 @@ class TrainStep:
         self._ready = False
         self._signatures: set[str] = set()
         self._accumulators: list[tf.Variable] | None = None
+        self._accumulators_finalizer = None
+        self._donor = _accumulators_of
         self._state_variables: list = []
         self._taps = None  # per-example norm taps (DP-SGD)
         self._seed = None
@@ -197,10 +201,24 @@ class TrainStep:
             )
 
     def _make_accumulators(self) -> None:
-        with self.strategy.scope():
-            self._accumulators = accumulate.make_accumulators(self.model.trainable_variables)
+        donor, self._donor = self._donor, None
+        if donor is not None and [id(v) for v in donor.model.trainable_variables] == [
+            id(v) for v in self.model.trainable_variables
+        ]:
+            self._accumulators = donor.give_accumulators()
+        if self._accumulators is None:
+            with self.strategy.scope():
+                self._accumulators = accumulate.make_accumulators(self.model.trainable_variables)
         # Emptied when this step is collected: a graph TF never frees may still hold their handles.
-        accumulate.free_when_collected(self, self._accumulators)
+        self._accumulators_finalizer = accumulate.free_when_collected(self, self._accumulators)
+
+    def give_accumulators(self) -> list[tf.Variable] | None:
+        """Hands this step's accumulators over (another step of the same model takes them as they are
+        allocated); this step no longer has or frees them."""
+        if self._accumulators_finalizer is not None:
+            self._accumulators_finalizer.detach()
+        accumulators, self._accumulators, self._accumulators_finalizer = self._accumulators, None, None
+        return accumulators
 
     def _prepare(self, x=None) -> None:
         """Creates every variable the step needs, outside any tf.function."""
