@@ -11,6 +11,9 @@ both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
   time against the fastest measured one; every prediction it measured afterwards, as
   ``predicted / measured - 1``), and the search users do by hand: a new step with
   ``micro_batches`` = 1, 2, 4, ... (a trace each), real steps, until one fits;
+* ``by hand``: the plan's configuration built directly, in a fresh process: how much later the
+  first trained step of ``build_train_step(micro_batches="auto")`` (planning, then the planned
+  step, whose trace training reuses) comes than this one's (a trace and a call);
 * ``fit fresh`` / ``fit used``: ``attach(micro_batches="auto", memory_budget=...)`` and ``model.fit``
   in a fresh process, and in one that trained another model first: the allocator's peak while
   ``fit`` trains with the plan (over three epochs after the one that planned), counted from
@@ -108,13 +111,26 @@ def child(config: dict) -> dict:
             smallest.append(probe.measure(_rows(x), max(segments)))
         floor = min(c.measured_bytes for c in smallest)
         return {"plain": plain.measured_bytes, "plain_s": plain.seconds, "floor": floor, "seconds": plain.seconds}
+    if role == "by hand":  # the plan's configuration given by hand: the first step is its trace and a call
+        options = dict(config["options"])
+        segments = options.pop("segments")
+        trained = model if segments is None else effgrad.checkpoint_model(model, segments)
+        start = time.perf_counter()
+        float(effgrad.build_train_step(trained, loss, optimizer, **options)(x, y)["loss"])
+        return {"first_s": time.perf_counter() - start, "seconds": 0.0}
     budget = config["budget"]
     start = time.perf_counter()
-    try:
-        plan = effgrad.plan(model, loss, optimizer, x, y, budget=budget, verbose=False)
+    try:  # planning at the first call, which then trains on the planned step
+        auto = effgrad.build_train_step(
+            model, loss, optimizer, micro_batches="auto", memory_budget=budget, verbose=False
+        )
+        float(auto(x, y)["loss"])
     except ValueError as err:
         return {"plan_s": time.perf_counter() - start, "error": str(err)[:200], "seconds": 0.0}
-    plan_s = time.perf_counter() - start
+    first_s, plan = time.perf_counter() - start, auto.plan
+    plan_s = plan.planning_seconds
+    del auto
+    gc.collect()
     # The search by hand: a new step (a new trace) for k = 1, 2, 4, ... until one fits.
     start, k, found = time.perf_counter(), 1, None
     limit = (1 - plan.margin / 2) * budget
@@ -139,6 +155,8 @@ def child(config: dict) -> dict:
         "peak": plan.peak_bytes,
         "step_s": plan.seconds_per_step,
         "plan_s": plan_s,
+        "first_s": first_s,
+        "options": {**plan.step_options, "segments": plan.segments},
         "search_s": search_s,
         "search_found": "none" if found is None else f"k={found}",
         "errors": errors,
@@ -161,6 +179,13 @@ def run(quick: bool = False) -> dict:
         for fraction in fractions:
             budget = int(probe["floor"] + fraction * (probe["plain"] - probe["floor"]))
             planned = common.run_isolated(MODULE, {"model": model, "role": "plan", "budget": budget}, timeout=3600)
+            hand = {}
+            if "options" in planned:
+                config = {"model": model, "role": "by hand", "options": planned["options"]}
+                hand = common.run_isolated(MODULE, config, timeout=3600)
+            # What planning delays the first trained step by: auto's first step (planning, then a call
+            # of the planned trace) against the chosen configuration's (its trace, a call).
+            delay = planned["first_s"] - hand["first_s"] if hand else None
             fits = {}
             for role in ("fit fresh",) if quick else ("fit fresh", "fit used"):
                 fits[role] = common.run_isolated(MODULE, {"model": model, "role": role, "budget": budget}, timeout=3600)
@@ -178,6 +203,8 @@ def run(quick: bool = False) -> dict:
                     "vs_fastest": planned.get("vs_fastest"),
                     "plan_s": planned["plan_s"],
                     "plan_steps": planned["plan_s"] / probe["plain_s"],
+                    "delay_s": delay,
+                    "delay_steps": None if delay is None else delay / probe["plain_s"],
                     "search_s": planned.get("search_s"),
                     "search_found": planned.get("search_found"),
                     "error_mean_pct": 100 * sum(errors) / len(errors) if errors else None,
@@ -193,7 +220,9 @@ def run(quick: bool = False) -> dict:
             )
     title = (
         "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak; planning time vs a "
-        "doubling search of micro_batches that traces and runs a step per try; predictions vs measurements; the "
+        "doubling search of micro_batches that traces and runs a step per try; how much later the first trained step "
+        "of build_train_step(micro_batches='auto') comes than the chosen configuration's built by hand; "
+        "predictions vs measurements; the "
         "budget at fit level (3 epochs of model.fit with attach(micro_batches='auto')) in a fresh and a used process"
     )
     columns = [
@@ -207,6 +236,8 @@ def run(quick: bool = False) -> dict:
         ("vs_fastest", "time vs fastest", ".2f"),
         ("plan_s", "plan s", ".1f"),
         ("plan_steps", "plan in plain steps", ".1f"),
+        ("delay_s", "first step later s", ".1f"),
+        ("delay_steps", "first step later in plain steps", ".1f"),
         ("search_s", "doubling s", ".1f"),
         ("search_found", "doubling found", ""),
         ("error_mean_pct", "pred. err mean %", ".1f"),

@@ -429,30 +429,38 @@ class _Planner:
 
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` of the micro-batched family from two safe measurements.
+        """``(fixed, per_row)`` of the micro-batched family: two safe measurements, then :meth:`fitted`.
 
         The points are far apart (1/16 and 1/4 of the batch per micro-batch)
         so the allocator's noise (about 1 MiB between identical runs here)
-        does not swamp the slope. Both run on the family's one trace; their
-        times give :meth:`seconds`.
+        does not swamp the slope. Both run on the family's one trace.
         """
         rows = sorted({max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))})
-        points = []
         for r in rows:
             k = max(2, math.ceil(self.batch / r))
             self.candidate(k, segments).line = True
-            c = self.measure(k, segments, calls=2)
-            if c.measured_bytes is None:
+            if self.measure(k, segments, calls=2).measured_bytes is None:
                 return None
-            points.append((_rows(self.batch, k), c.measured_bytes))
-        if points[0][0] == points[-1][0]:
-            return float(points[0][1]), 0.0
-        (r1, p1), (r2, p2) = points[0], points[-1]
-        per_row = max(0.0, (p2 - p1) / (r2 - r1))
-        return p1 - per_row * r1, per_row
+        return self.fitted(segments)
+
+    def _measured(self, segments: int | None) -> list[Candidate]:
+        return [c for c in self.candidates.values()
+                if c.segments == segments and c.micro_batches > 1 and c.measured_bytes is not None]  # fmt: skip
+
+    def fitted(self, segments: int | None) -> tuple[float, float]:
+        """``peak = fixed + per_row * rows``, least squares over every measured micro-batched point.
+
+        Each measurement refines the line: a small batch's two points can be a row apart (the GPT-2
+        LM at batch 8: 1 and 2 rows), where the allocator's noise sets the slope; a third point
+        further out corrects it before a larger step (the plain one: a trace more) is tried.
+        """
+        rows, peaks = zip(*((_rows(self.batch, c.micro_batches), c.measured_bytes) for c in self._measured(segments)))
+        rows, peaks = np.array(rows, float), np.array(peaks, float)
+        per_row = max(0.0, float(np.polyfit(rows, peaks, 1)[0])) if np.ptp(rows) else 0.0
+        return float(peaks.mean() - per_row * rows.mean()), per_row
 
     def seconds(self, segments: int | None, micro_batches: int) -> float | None:
-        """A micro-batched step's time from the line's two measured points: ``k * per_micro + rest``.
+        """A micro-batched step's time, ``rest + per_micro * k``, fitted to its measured points.
 
         Each micro-batch pays a fixed cost (its loop iteration, kernel launches, the accumulation)
         and every row its share: the time is linear in ``k`` for a given batch (on ResNet50 batch 32,
@@ -460,15 +468,11 @@ class _Planner:
         and 2.30). A negative ``per_micro`` (small micro-batches that run faster per row, seen on
         CPU caches) predicts more micro-batches faster, and they are measured.
         """
-        points = sorted(
-            (c.micro_batches, c.seconds) for c in self.candidates.values()
-            if c.line and c.segments == segments and c.seconds is not None
-        )  # fmt: skip
-        if len(points) < 2 or points[0][0] == points[-1][0]:
+        points = [(c.micro_batches, c.seconds) for c in self._measured(segments) if c.seconds is not None]
+        if len({k for k, _ in points}) < 2:
             return None
-        (k1, t1), (k2, t2) = points[0], points[-1]
-        per_micro = (t2 - t1) / (k2 - k1)
-        return t1 + per_micro * (micro_batches - k1)
+        per_micro, rest = np.polyfit(*zip(*points), 1)
+        return float(rest + per_micro * micro_batches)
 
     def predict(self, line, micro_batches: int, fused: bool = False) -> int:
         """A configuration's peak from the micro-batched family's line.
@@ -487,29 +491,37 @@ class _Planner:
 
         The micro-batched family first (its line is measured on the same trace), then one micro-batch.
         """
-        line = self.line(segments)
-        if line is None:
+        if self.line(segments) is None:
             return
         choices = [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]
-        for k in choices:
-            for fused in [False, True] if k == 1 and self.can_fuse else [False]:
-                self.candidate(k, segments, fused).predicted_bytes = self.predict(line, k, fused)
         # The one-micro-batch step is the fastest and its prediction the least sure (gathered gradients):
         # it is tried up to the measured limit, the others within the margin.
         allowed = {k: (1 - (self.margin / 2 if k == 1 else self.margin)) * self.budget for k in choices}
-        fitting = [c for c in self.candidates.values() if c.segments == segments and c.measured_bytes is None
-                   and c.predicted_bytes is not None and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
-        plain = [c for c in fitting if c.micro_batches == 1]
-        micro = sorted((c for c in fitting if c.micro_batches > 1), key=lambda c: c.micro_batches)
-        # Fastest predicted first; one predicted slower than a measured fitting step is not measured.
-        micro.sort(key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
-        for c in micro[: max(most - len(plain), 1)]:
-            measured = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments]
+
+        def fitting(micro: bool) -> list[Candidate]:
+            """Re-predicted from the line as it stands; those predicted to fit, not measured or ruled out."""
+            line = self.fitted(segments)
+            for k in choices:
+                for fused in [False, True] if k == 1 and self.can_fuse else [False]:
+                    c = self.candidate(k, segments, fused)
+                    if c.measured_bytes is None:
+                        c.predicted_bytes = self.predict(line, k, fused)
+            return [c for c in self.candidates.values() if c.segments == segments and c.measured_bytes is None
+                    and (c.micro_batches > 1) == micro and not c.note
+                    and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
+
+        tries = max(most - len(fitting(micro=False)), 1)
+        while tries and (micro := fitting(micro=True)):
+            # The fastest predicted first; one predicted slower than a measured fitting step is not measured.
+            c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
+            fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments]
             predicted = self.seconds(segments, c.micro_batches)
-            if measured and predicted is not None and not same_speed(predicted, min(measured)):
+            if fastest and predicted is not None and not same_speed(predicted, min(fastest)):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
                 continue
             self.measure(c.micro_batches, segments)
+            tries -= 1
+        plain = fitting(micro=False)
         for c in sorted(plain, key=lambda c: c.fused_update):
             if c.fused_update and self.candidate(1, segments).fits:
                 c.note = "not measured: the gathered step fits and is faster"
