@@ -9,7 +9,7 @@ both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
 * for budgets 90%, 70% and 50% of the way from the floor to the plain peak:
   ``effgrad.plan`` (its time, choice and measured peak; its time in plain steps; the chosen step's
   time against the fastest measured one; every prediction it measured afterwards, as
-  ``predicted / measured - 1``), and the search users do by hand: a new step with
+  ``predicted / measured - 1``, measuring here those it ruled out), and the search users do by hand: a new step with
   ``micro_batches`` = 1, 2, 4, ... (a trace each), real steps, until one fits;
 * ``by hand``: the plan's configuration built directly, in a fresh process: how much later the
   first trained step of ``build_train_step(micro_batches="auto")`` (planning, then the planned
@@ -143,12 +143,18 @@ def child(config: dict) -> dict:
         found = k if peak <= limit else None
         k *= 2
     search_s = time.perf_counter() - start
-    # Predictions made before measuring: every candidate the plan measured and had predicted.
-    errors = [
-        c.predicted_bytes / c.measured_bytes - 1
-        for c in plan.table
-        if c.predicted_bytes and c.measured_bytes and not c.line
-    ]
+    # Predictions against measurements: every candidate the plan predicted, measured by the plan (after
+    # its prediction) or, when it ruled it out on the prediction, here (the same way, on a probe).
+    probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False)
+    probe.state_bytes += plan.floor_bytes - probe.floor()  # the optimizer state as the plan counted it
+    errors = []
+    for c in plan.table:
+        if c.predicted_bytes is None or (c.segments is not None and c.measured_bytes is None):
+            continue  # checkpointed configurations are measured only when the plan tries them
+        measured = c.measured_bytes or probe.measure(c.micro_batches, c.segments, c.fused_update).measured_bytes
+        if measured:
+            errors.append(c.predicted_bytes / measured - 1)
+    probe.release()
     fitting = [c.seconds for c in plan.table if c.fits and c.seconds]
     return {
         "chosen": f"k={plan.micro_batches}, seg={plan.segments or '-'}" + (", fused" if plan.fused_update else ""),

@@ -20,11 +20,21 @@ Algorithm::
     hand the chosen family's step to training (build_train_step(micro_batches="auto") runs
     it: no second trace; attach takes its accumulators, as allocated, which the peaks counted)
 
-A configuration is tried only when its prediction is at most ``(1 - margin)``
-of the budget, and fits when its measured peak is at most ``(1 - margin / 2)``
-of it (``margin`` = 10% by default): half the margin absorbs prediction
+A configuration fits when its measured peak leaves a reserve of the budget
+free: half the ``margin`` (10% by default), or one float32 gradient of the
+largest variable when that is more (the allocator's placement can add up to
+that in another process history, below), and is tried only when its
+prediction leaves half the margin more. Half the margin absorbs prediction
 error, half the allocator's run-to-run noise and what ``fit`` adds (the next
 batch its input pipeline prepares).
+
+The reserve for placement: a best-fit allocator (TensorFlow's BFC, on GPU and
+on CPU) does not split a free chunk less than twice the request, and counts
+the whole chunk in use; which chunk a tensor lands in depends on the process's
+history. The same step of the GPT-2 LM (a 49 MiB tied embedding), one call
+after another in one process, peaked at 372-393 MiB, and at 417-426 MiB in
+about one call of eight (also with one inter-op thread): a largest tensor's
+worth. A plan measures a few calls; training makes thousands.
 
 Each family builds one real :class:`effgrad.TrainStep` with the caller's
 optimizer (built for the model first if it is not: training uses it next,
@@ -186,6 +196,9 @@ class MemoryPlan:
         left_bytes: What planning left on the device (TensorFlow keeps traced
             graphs and some of their buffers): training runs next to it, so
             every measured peak plus it must fit.
+        reserve_bytes: What measured peaks leave free: half the margin, or
+            one float32 gradient of the largest variable when that is more
+            (what the allocator's placement can add in another process).
         model: The model to train: the one given, or its ``checkpoint_model``
             (sharing its variables) when the plan checkpoints.
         step: The chosen configuration's traced step, which training takes
@@ -206,6 +219,7 @@ class MemoryPlan:
     fused_update: bool = False
     floor_bytes: int = 0
     left_bytes: int = 0
+    reserve_bytes: int = 0
     model: keras.Model | None = dataclasses.field(default=None, repr=False, compare=False)
     step: TrainStep | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -218,7 +232,7 @@ class MemoryPlan:
         mib = lambda b: "-" if b is None else f"{b / _MIB:,.1f}"  # noqa: E731
         lines = [
             f"effgrad memory plan: batch {self.batch_size}, budget {mib(self.budget_bytes)} MiB (measured peaks "
-            f"must fit in {1 - self.margin / 2:.0%} of it, predictions in {1 - self.margin:.0%}), floor "
+            f"must leave {mib(self.reserve_bytes)} MiB of it free, predictions {self.margin / 2:.0%} more), floor "
             f"{mib(self.floor_bytes)} MiB, planned in {self.planning_seconds:.1f} s"
             + (f", {mib(self.left_bytes)} MiB left by planning counted in" if self.left_bytes else ""),
             f"{'micro_batches':>13} {'segments':>8} {'fused':>5} {'predicted MiB':>13} {'measured MiB':>12} "
@@ -288,6 +302,9 @@ class _Planner:
         self.state_bytes = max(_bytes(self.optimizer.variables), built_bytes)
         self.accumulator_bytes = 4 * sum(int(np.prod(v.shape)) for v in trained)
         self.largest_bytes = 4 * max(int(np.prod(v.shape)) for v in trained)
+        # Measured peaks must leave this free (see the module's docstring), predictions half the margin more.
+        self.reserve = max(margin / 2 * budget, self.largest_bytes)
+        self.limit = budget - self.reserve
         self.batch_bytes = sum(a.nbytes for a in tf.nest.flatten((self.x, self.y, self.sample_weight)) if a is not None)
         # Everything a candidate step may write, restored after each: the model's variables and
         # those of a LossScale object the caller passed (its scale and growth counter).
@@ -298,6 +315,15 @@ class _Planner:
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
+
+    def why_reserve(self) -> str:
+        """Why the reserve is what it is, when it is more than half the margin."""
+        if self.reserve <= self.margin / 2 * self.budget:
+            return ""
+        return (
+            ": a gradient of the largest variable, which the allocator's placement can add to a peak in another "
+            "process history"
+        )
 
     # ------------------------------------------------------------- shapes
     def floor(self) -> int:
@@ -376,7 +402,7 @@ class _Planner:
             extra, candidate.seconds = max(r.extra_bytes for r in reports), min(times)
             accumulators = self.accumulator_bytes if micro_batches > 1 else 0
             candidate.measured_bytes = self.weights_bytes + self.state_bytes + accumulators + extra
-            candidate.fits = candidate.measured_bytes <= (1 - self.margin / 2) * self.budget
+            candidate.fits = candidate.measured_bytes <= self.limit
             if not candidate.fits:
                 candidate.note = "over budget (measured)"
         except tf.errors.ResourceExhaustedError:  # out of memory on a real accelerator: does not fit
@@ -496,7 +522,7 @@ class _Planner:
         choices = [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]
         # The one-micro-batch step is the fastest and its prediction the least sure (gathered gradients):
         # it is tried up to the measured limit, the others within the margin.
-        allowed = {k: (1 - (self.margin / 2 if k == 1 else self.margin)) * self.budget for k in choices}
+        allowed = {k: self.limit - (0 if k == 1 else self.margin / 2 * self.budget) for k in choices}
 
         def fitting(micro: bool) -> list[Candidate]:
             """Re-predicted from the line as it stands; those predicted to fit, not measured or ruled out."""
@@ -634,8 +660,9 @@ def plan(
             machine's RAM), as a number or a string (``"0.5"``).
         sample_weight: Optional sample weights of the batch.
         strategy: A ``tf.distribute.Strategy``; default the current one.
-        margin: Predictions must fit in ``(1 - margin) * budget`` to be tried,
-            measured peaks in ``(1 - margin / 2) * budget``.
+        margin: Measured peaks must leave ``margin / 2`` of the budget free
+            (or a gradient of the largest variable, if more), predictions
+            ``margin / 2`` more to be tried.
         verbose: One line per measured configuration on stderr.
         **step_options: Other :func:`effgrad.build_train_step` options
             (``loss_scale``, ``clip_norm``, ``reduction``, ...).
@@ -677,9 +704,10 @@ def _plan(
     )  # fmt: skip
     resident = memory.current_bytes()  # what planning may leave behind is counted from here
     floor = planner.floor()
-    if floor > (1 - margin / 2) * budget_bytes:
+    if floor > planner.limit:
         raise ValueError(
-            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (less the {margin / 2:.0%} kept free): every "
+            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (less the {planner.reserve / _MIB:,.1f} MiB kept "
+            f"free{planner.why_reserve()}): every "
             f"configuration holds at least {floor / _MIB:,.1f} MiB ({planner.breakdown()}), whatever the "
             "micro-batches or checkpointing. A smaller optimizer state (effgrad.compact_state(optimizer) keeps it "
             f"in about {0.26 * planner.state_bytes / _MIB:,.1f} MiB; SGD, Adafactor), float16 weights or a smaller "
@@ -714,7 +742,7 @@ def _plan(
         left -= planner.accumulator_bytes
     left = max(0, left)
     if left:
-        count_left(planner.candidates.values(), left, (1 - margin / 2) * budget_bytes)
+        count_left(planner.candidates.values(), left, planner.limit)
         chosen, best = best, planner.best()
         if kept is not None and best is not chosen:  # not the step training will run
             accumulate.free_accumulators(kept._accumulators or [])
@@ -743,7 +771,8 @@ def _plan(
             )
         raise ValueError(
             f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (measured peaks must stay within "
-            f"{(1 - margin / 2) * budget_bytes / _MIB:,.1f} MiB, the budget less {margin / 2:.0%} kept free): the "
+            f"{planner.limit / _MIB:,.1f} MiB, the budget less {planner.reserve / _MIB:,.1f} MiB kept free"
+            f"{planner.why_reserve()}): the "
             f"smallest peak achievable is {(smallest.measured_bytes + left) / _MIB:,.1f} MiB ({smallest.describe()}"
             + (f", with the {left / _MIB:,.1f} MiB planning left on the device" if left else "")
             + f").{what}"
@@ -767,6 +796,7 @@ def _plan(
         batch_size=planner.batch,
         floor_bytes=floor,
         left_bytes=left,
+        reserve_bytes=int(planner.reserve),
         model=planner.model_for(best.segments),
         step=kept,
     )
