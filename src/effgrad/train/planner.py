@@ -31,9 +31,9 @@ batch its input pipeline prepares).
 The reserve for placement: a best-fit allocator (TensorFlow's BFC, on GPU and
 on CPU) does not split a free chunk less than twice the request, and counts
 the whole chunk in use; which chunk a tensor lands in depends on the process's
-history. The same step of the GPT-2 LM (a 49 MiB tied embedding), one call
-after another in one process, peaked at 372-393 MiB, and at 417-426 MiB in
-about one call of eight (also with one inter-op thread): a largest tensor's
+history. The same step of the GPT-2 LM (a 49 MiB tied embedding), called 8
+times in each of 3 fresh processes, peaked at 372-394 MiB, except 2 calls of
+the 24, at 423 and 425 MiB (also with one inter-op thread): a largest tensor's
 worth. A plan measures a few calls; training makes thousands.
 
 Each family builds one real :class:`effgrad.TrainStep` with the caller's
