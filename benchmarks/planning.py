@@ -186,7 +186,7 @@ def run(quick: bool = False) -> dict:
             budget = int(probe["floor"] + fraction * (probe["plain"] - probe["floor"]))
             planned = common.run_isolated(MODULE, {"model": model, "role": "plan", "budget": budget}, timeout=3600)
             hand = {}
-            if "options" in planned:
+            if "options" in planned and not quick:  # quick: the plan's code path only
                 config = {"model": model, "role": "by hand", "options": planned["options"]}
                 hand = common.run_isolated(MODULE, config, timeout=3600)
             # What planning delays the first trained step by: auto's first step (planning, then a call

@@ -28,11 +28,11 @@ GROUPS = {
         ],
     ),
     "checkpointing": (
-        ["checkpointing", "checkpoint_model", "segments", "distributed", "planning"],
+        ["checkpointing", "checkpoint_model", "segments", "distributed"],
         ["checkpointing_tradeoff.png", "checkpointing_segments.png"],
     ),
     "saliency": (
-        ["saliency", "saliency_methods", "token_attribution", "token_methods", "privacy"],
+        ["saliency", "saliency_methods", "token_attribution", "token_methods", "privacy", "planning"],
         ["saliency_scaling.png"],
     ),
 }

@@ -346,7 +346,9 @@ _KERNEL_CHILD = textwrap.dedent(
         return tape.gradient(loss, kernel)
 
     gradient()
-    print("@@" + json.dumps(effgrad.memory.measure(gradient).extra_bytes))
+    # The least of three calls: where the allocator places the 49 MiB result (a free chunk up to twice
+    # its size counts whole) varies from call to call, and only ever adds (one call measured 1.5 kernels).
+    print("@@" + json.dumps(min(effgrad.memory.measure(gradient).extra_bytes for _ in range(3))))
     """
 )
 

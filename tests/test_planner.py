@@ -172,7 +172,7 @@ def test_measured_peaks_leave_a_largest_gradient_free_where_that_is_more_than_th
     # Within 95% of the budget, but not with the embedding's 9.8 MiB gradient kept free: refused, saying why.
     with pytest.raises(ValueError, match="largest variable"):
         effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=int(roomy.peak_bytes / 0.97))
-    budget = roomy.peak_bytes + largest + 4 * 2**20
+    budget = 2 * roomy.peak_bytes + largest  # half the margin still less than the gradient; room for noise
     tight = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=budget, verbose=False)
     assert tight.reserve_bytes == largest and tight.peak_bytes <= budget - largest, tight
     assert "must leave 9.8 MiB of it free" in str(tight)
