@@ -51,10 +51,10 @@ def _setup(kind: str):
         x, y = {"token_ids": tokens, "padding_mask": np.ones((8, 256), "int32")}, np.roll(tokens, -1, 1)
     else:  # quick
         model = keras.Sequential(
-            [keras.Input((32,))] + [keras.layers.Dense(256, activation="relu") for _ in range(8)]
+            [keras.Input((32,))] + [keras.layers.Dense(128, activation="relu") for _ in range(4)]
             + [keras.layers.Dense(4)]
         )  # fmt: skip
-        x, y = rng.normal(size=(512, 32)).astype("float32"), rng.integers(0, 4, 512)
+        x, y = rng.normal(size=(256, 32)).astype("float32"), rng.integers(0, 4, 256)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, x, y, loss
 
@@ -177,7 +177,7 @@ def _mib(nbytes):
 
 
 def run(quick: bool = False) -> dict:
-    models = ["mlp_8x256_b512"] if quick else ["resnet50_64x64_b32", "gpt2_lm_v50257_t256_b8"]
+    models = ["mlp_4x128_b256"] if quick else ["resnet50_64x64_b32", "gpt2_lm_v50257_t256_b8"]
     fractions = (0.7,) if quick else (0.9, 0.7, 0.5)
     rows = []
     for model in models:

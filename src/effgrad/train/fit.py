@@ -282,8 +282,7 @@ def _attach_planned(model, step_options: dict) -> keras.Model:
         def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
             plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
             _compat.hook_method(model, "fit", "plan", None, order=1)  # planned once: later fits train with it
-            taken, plan.step = plan.step, None  # handed over once
-            _attach(model, {**options, **plan.step_options}, plan.model, taken)
+            _attach(model, {**options, **plan.step_options}, plan.model, plan.take_step())
             model.effgrad_plan = plan
             return model.fit(x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
 

@@ -160,7 +160,6 @@ class Candidate:
     seconds: float | None = None
     fits: bool | None = None
     note: str = ""  # why it was not chosen
-    line: bool = False  # measured to fit the model's line (its prediction came after)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -222,6 +221,11 @@ class MemoryPlan:
     reserve_bytes: int = 0
     model: keras.Model | None = dataclasses.field(default=None, repr=False, compare=False)
     step: TrainStep | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def take_step(self) -> TrainStep | None:
+        """:attr:`step`, handed over once: the plan keeps no reference to what training now owns."""
+        step, self.step = self.step, None
+        return step
 
     @property
     def step_options(self) -> dict:
@@ -443,7 +447,7 @@ class _Planner:
             kept = self.steps.pop((keep.micro_batches > 1, keep.segments, keep.fused_update), None)
         if kept is not None:
             kept.micro_batches = keep.micro_batches
-            kept._calls = 0  # planning's calls are not training's
+            kept.forget_calls()  # planning's calls are not training's
         # Emptied now, not at the next collection, and whatever graph TF keeps holds no gradient.
         for step in self.steps.values():
             accumulate.free_accumulators(step._accumulators or [])
@@ -464,7 +468,6 @@ class _Planner:
         rows = sorted({max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))})
         for r in rows:
             k = max(2, math.ceil(self.batch / r))
-            self.candidate(k, segments).line = True
             if self.measure(k, segments, calls=2).measured_bytes is None:
                 return None
         return self.fitted(segments)
@@ -841,7 +844,7 @@ class PlannedTrainStep:
     def __call__(self, x, y, sample_weight=None) -> dict:
         if self.step is None:
             chosen = self.choose(x, y, sample_weight)
-            planned, chosen.step = chosen.step, None  # handed over once
+            planned = chosen.take_step()
             if planned is not None and "on_micro_batch" not in self.options:
                 self.step = planned  # built with these options: its trace and accumulators are training's
             else:

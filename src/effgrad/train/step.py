@@ -309,6 +309,10 @@ class TrainStep:
         self.watch_loss_scale()
         return logs
 
+    def forget_calls(self) -> None:
+        """Counts calls from now on (a planned step: planning's calls are not training's)."""
+        self._calls = 0
+
     def watch_loss_scale(self) -> None:
         """Warns once when the dynamic scale has collapsed (called between steps, on the host)."""
         self._calls += 1
