@@ -18,19 +18,6 @@ def test_new_batch_size_does_not_retrace(rng, micro_batches):
     assert step.trace_count == 1
 
 
-def test_trace_compiles_without_updating_and_the_first_call_reuses_it(rng):
-    model = mlp()
-    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.01), micro_batches=2)
-    x, y = rng.normal(size=(8, 5)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
-    before = [v.numpy() for v in model.variables]
-    step.trace(x, y)
-    assert step.trace_count == 1 and step.optimizer.iterations.numpy() == 0
-    for old, v in zip(before, model.variables):
-        np.testing.assert_array_equal(old, v.numpy())
-    step(x[:5], y[:5])
-    assert step.trace_count == 1 and step.optimizer.iterations.numpy() == 1
-
-
 def test_sample_weight_or_dtype_change_is_a_new_signature(rng):
     step = effgrad.build_train_step(mlp(), "mse", keras.optimizers.SGD(0.01), micro_batches=2)
     x, y = rng.normal(size=(8, 5)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")

@@ -392,20 +392,17 @@ class _Planner:
             return candidate
         try:
             step = self._step(micro_batches, segments, fused)
-            first = not step.trace_count
-            step.trace(self.x, self.y, self.sample_weight)  # the trace and the accumulators: not counted
             run = lambda: step(self.x, self.y, self.sample_weight)["loss"]  # noqa: E731
+            if not step.trace_count:
+                run()  # the family's first call: traces, creates the accumulators (not counted)
             # The peak varies from call to call with how the executor's threads interleave frees
             # and allocations: the largest of three calls (two for the line's points), and the
-            # fastest of their times. A family's first call counts for memory (measured within the
-            # later calls' range: ResNet50 k=16 30.7 MiB against 30.5-33.7, the GPT-2 LM 116.9 against
-            # 118.5-129.9) but not for time: it also optimizes the graph (21 s against 2 s on ResNet50).
+            # fastest of their times.
             reports, times = [], []
-            for call in range(max(calls, 2) if first else calls):
+            for _ in range(calls):
                 start = time.perf_counter()
                 reports.append(memory.measure(run))
-                if not (first and call == 0):
-                    times.append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start)
             extra, candidate.seconds = max(r.extra_bytes for r in reports), min(times)
             accumulators = self.accumulator_bytes if micro_batches > 1 else 0
             candidate.measured_bytes = self.weights_bytes + self.state_bytes + accumulators + extra

@@ -283,16 +283,6 @@ class TrainStep:
         Returns:
             ``{"loss", "loss_scale", "grads_finite"}`` as scalar tensors.
         """
-        logs = self._step(*self.trace(x, y, sample_weight))
-        self.watch_loss_scale()
-        return logs
-
-    def trace(self, x, y, sample_weight=None) -> tuple:
-        """Traces the step for this batch's signature (once) without running it; returns its arguments.
-
-        Everything a first call does before the update (the accumulators, the trace) is then done:
-        the next call is a call like any other (the planner measures it).
-        """
         distributed = isinstance(x, tf.distribute.DistributedValues)
         if not distributed:
             x, y, sample_weight = _as_tensors((x, y, sample_weight))
@@ -315,7 +305,9 @@ class TrainStep:
                 # batch sizes reuse this graph instead of retracing.
                 self._step.get_concrete_function(*specs, k_spec)
                 self._signatures.add(key)
-        return x, y, sample_weight, k_arg
+        logs = self._step(x, y, sample_weight, k_arg)
+        self.watch_loss_scale()
+        return logs
 
     def forget_calls(self) -> None:
         """Counts calls from now on (a planned step: planning's calls are not training's)."""
