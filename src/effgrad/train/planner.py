@@ -320,13 +320,14 @@ class _Planner:
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
 
-    def why_reserve(self) -> str:
-        """Why the reserve is what it is, when it is more than half the margin."""
+    def kept_free(self) -> str:
+        """``"X MiB kept free"``, and why when the reserve is more than half the margin."""
+        said = f"{self.reserve / _MIB:,.1f} MiB kept free"
         if self.reserve <= self.margin / 2 * self.budget:
-            return ""
+            return said
         return (
-            ": a gradient of the largest variable, which the allocator's placement can add to a peak in another "
-            "process history"
+            f"{said}: a gradient of the largest variable, which the allocator's placement can add to a peak in "
+            "another process history"
         )
 
     # ------------------------------------------------------------- shapes
@@ -709,8 +710,7 @@ def _plan(
     floor = planner.floor()
     if floor > planner.limit:
         raise ValueError(
-            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (less the {planner.reserve / _MIB:,.1f} MiB kept "
-            f"free{planner.why_reserve()}): every "
+            f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (less the {planner.kept_free()}): every "
             f"configuration holds at least {floor / _MIB:,.1f} MiB ({planner.breakdown()}), whatever the "
             "micro-batches or checkpointing. A smaller optimizer state (effgrad.compact_state(optimizer) keeps it "
             f"in about {0.26 * planner.state_bytes / _MIB:,.1f} MiB; SGD, Adafactor), float16 weights or a smaller "
@@ -774,8 +774,7 @@ def _plan(
             )
         raise ValueError(
             f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (measured peaks must stay within "
-            f"{planner.limit / _MIB:,.1f} MiB, the budget less {planner.reserve / _MIB:,.1f} MiB kept free"
-            f"{planner.why_reserve()}): the "
+            f"{planner.limit / _MIB:,.1f} MiB, the budget less {planner.kept_free()}): the "
             f"smallest peak achievable is {(smallest.measured_bytes + left) / _MIB:,.1f} MiB ({smallest.describe()}"
             + (f", with the {left / _MIB:,.1f} MiB planning left on the device" if left else "")
             + f").{what}"
