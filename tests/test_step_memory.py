@@ -16,15 +16,15 @@ _CHILD = textwrap.dedent(
     method, k = sys.argv[1], int(sys.argv[2])
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(512, activation="gelu") for _ in range(8)])
-    x = tf.random.normal([2048, 512]); y = tf.random.normal([2048, 512])
+    x = tf.random.normal([1024, 512]); y = tf.random.normal([1024, 512])
     if method == "effgrad":
         step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(1e-3), micro_batches=k)
         run = lambda: step(x, y)["loss"]
     else:
         opt = keras.optimizers.SGD(1e-3, gradient_accumulation_steps=k if k > 1 else None)
         model.compile(optimizer=opt, loss="mse")
-        rows = 2048 // k
-        run = lambda: [model.train_on_batch(x[i:i + rows], y[i:i + rows]) for i in range(0, 2048, rows)][-1]
+        rows = 1024 // k
+        run = lambda: [model.train_on_batch(x[i:i + rows], y[i:i + rows]) for i in range(0, 1024, rows)][-1]
     run()
     print("@@" + json.dumps(effgrad.memory.measure(run).peak_bytes))
     """
