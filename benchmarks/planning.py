@@ -133,7 +133,7 @@ def child(config: dict) -> dict:
     gc.collect()
     # The search by hand: a new step (a new trace) for k = 1, 2, 4, ... until one fits.
     start, k, found = time.perf_counter(), 1, None
-    limit = (1 - plan.margin / 2) * budget
+    limit = budget - plan.reserve_bytes  # what the plan's measured peaks must stay within
     while k <= _rows(x) and found is None and not common.QUICK:  # quick: the plan's code path only
         step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-4), micro_batches=k, fused_update=False)
         step(x, y)

@@ -94,7 +94,7 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     if (roomy.micro_batches, roomy.segments) != (1, None):  # it fits: only a clearly faster one replaces it
         assert not planner.same_speed(plain.seconds, fastest), roomy
     plain = plain.measured_bytes
-    smallest = min(c.measured_bytes for c in roomy.table if c.measured_bytes)
+    smallest = min(c.peak_bytes for c in roomy.table if c.peak_bytes)  # measured, or predicted from the line
     assert smallest < 0.75 * plain, roomy  # room to plan in between
     budget = int(smallest + 0.7 * (plain - smallest))
     assert plain > budget + 2 * 2**20  # the plain step clearly does not fit
@@ -193,6 +193,28 @@ def test_a_faster_configuration_replaces_the_plain_step_only_beyond_timing_noise
     assert best(0.200, 0.100) == 2  # clearly faster
 
 
+def _fake_planner(peak, seconds, sub_batches):
+    """A planner of batch 32, budget 1000 bytes (measured peaks within 950, predictions within 900)
+    whose step's peak and time are ``peak(rows per micro-batch)`` and ``seconds(k, rows)``."""
+    fake = planner._Planner.__new__(planner._Planner)
+    fake.batch, fake.fewest, fake.can_fuse, fake.margin, fake.budget, fake.candidates = 32, 1, False, 0.1, 1000, {}
+    fake.accumulator_bytes = fake.largest_bytes = 0
+    fake.sub_batches, fake.points, fake.limit = sub_batches, {}, 950
+
+    def measure(k, segments=None, fused=False, calls=3):
+        c = fake.candidate(k, segments, fused)
+        c.measured_bytes, c.seconds = peak(-(-32 // k)), seconds(k, 32)
+        c.fits = c.measured_bytes <= 950
+        return c
+
+    def probe(k, rows, segments):
+        fake.points.setdefault(segments, []).append(planner._Point(k, rows, peak(-(-rows // k)), seconds(k, rows)))
+        return True
+
+    fake.measure, fake.probe = measure, probe
+    return fake
+
+
 @pytest.mark.parametrize(
     "per_micro, measured",
     [(0.05, {2, 4, 16}), (-0.01, {4, 16, 32})],  # each micro-batch costs time / small ones run faster per row
@@ -201,22 +223,54 @@ def test_only_micro_batch_counts_predicted_as_fast_as_a_measured_fit_are_measure
     # Batch 32, a peak of 600 + 15 per row (the plain step is over the 1000-byte budget), a step time
     # linear in k. The line measures k = 16 and 4; of the others predicted to fit (2, 8, 32), only
     # those predicted within 5% of the fastest measured fit are worth a measurement.
-    fake = planner._Planner.__new__(planner._Planner)
-    fake.batch, fake.fewest, fake.can_fuse, fake.margin, fake.budget, fake.candidates = 32, 1, False, 0.1, 1000, {}
-    fake.accumulator_bytes = fake.largest_bytes = 0
-    fake.limit = 950  # what measured peaks must stay within; predictions 50 below it
-
-    def measure(k, segments=None, fused=False, calls=3):
-        c = fake.candidate(k, segments, fused)
-        c.measured_bytes, c.seconds = 600 + 15 * -(-32 // k), 1.0 + per_micro * k
-        c.fits = c.measured_bytes <= 950
-        return c
-
-    fake.measure = measure
+    # (Under XLA: the line's points are candidates, on the whole batch.)
+    fake = _fake_planner(lambda rows: 600 + 15 * rows, lambda k, rows: 1.0 + per_micro * k, sub_batches=False)
     fake.explore(None)
     assert {c.micro_batches for c in fake.candidates.values() if c.seconds is not None} == measured
     skipped = [c for c in fake.candidates.values() if c.micro_batches > 1 and c.seconds is None]
     assert skipped and all(c.note.startswith("not measured: predicted") for c in skipped), fake.candidates
+
+
+def test_step_time_is_modelled_from_slices_and_the_whole_batch():
+    # The line's 1/16 point runs on slices (2 micro-batches of 4 rows, 4 of 8), its 1/4 point on the
+    # whole batch: a time of k alone (the whole batch each time) would mix up rows and micro-batches.
+    time_of = lambda k, rows: 0.1 + 0.04 * k + 0.016 * rows  # noqa: E731
+    fake = _fake_planner(lambda rows: 600 + 15 * rows, time_of, sub_batches=True)
+    fake.line(None)
+    assert sorted((p.micro_batches, p.rows) for p in fake.points[None]) == [(2, 4), (4, 8)]
+    assert [c.micro_batches for c in fake.candidates.values()] == [4]
+    for k in (2, 8, 16, 32):
+        assert fake.seconds(None, k) == pytest.approx(time_of(k, 32))
+
+
+def test_the_line_measures_slices_of_the_batch_and_counts_the_rows_left_out(rng, monkeypatch):
+    # A 4 MiB batch and small activations: a slice of 1/8 of it, measured without the 3.5 MiB of rows
+    # it leaves out, would be 3.5 MiB under the whole batch's step at the same rows per micro-batch.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+    x, y = _data(rng, (512,), 2048)
+    calls, call = [], effgrad.TrainStep.__call__
+    monkeypatch.setattr(effgrad.TrainStep, "__call__", lambda s, x, *a, **k: calls.append((s.micro_batches, len(x)))
+                        or call(s, x, *a, **k))  # fmt: skip
+    optimizer = keras.optimizers.SGD(0.01)
+    built = planner.build_optimizer(optimizer, model)  # as plan() does
+    made = planner._Planner(model, _LOSS, optimizer, x, y, None, None, 2**30, 0.1, {}, False, built_bytes=built)
+    made.line(None)
+    assert {(2, 256), (4, 512)} <= set(calls) and (16, 2048) not in calls, calls
+    point = next(p for p in made.points[None] if p.micro_batches == 2)
+    whole = made.measure(16).measured_bytes  # 128 rows per micro-batch, as the point: on the whole batch
+    assert abs(point.peak_bytes - whole) <= 2**20, (point.peak_bytes - whole) / 2**20
+    made.release()
+
+
+def test_a_fit_at_the_edge_of_the_limit_does_not_stop_the_search():
+    # k=4 measures 920 of the 950 allowed: what planning leaves on the device, counted after, can rule it
+    # out, so k=8 (predicted to fit, and slower) is measured too, as a fallback.
+    fake = _fake_planner(lambda rows: 600 + 40 * rows, lambda k, rows: 1.0 + 0.05 * k, sub_batches=True)
+    fake.explore(None)
+    measured = {c.micro_batches: c.measured_bytes for c in fake.candidates.values() if c.seconds is not None}
+    assert measured == {4: 920, 8: 760}, fake.candidates
+    assert fake.candidates[(16, None, False)].note.startswith("not measured: predicted")
 
 
 def test_planned_step_is_still_the_full_batch_update_and_trains_on_the_planned_trace(rng, monkeypatch):

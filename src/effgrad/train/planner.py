@@ -6,9 +6,12 @@ Algorithm::
         buffer any configuration needs (one gradient for a fused k=1 step, else the
         accumulator); a budget below that is refused at once, with the breakdown
     per family (one trace each: the number of micro-batches is a runtime value of the step):
-        micro-batched (k >= 2): measure two safe k, fit  peak = fixed + per_row * rows  and
-                                time = rest + per_micro * k;  predict every k; measure those
-                                predicted to fit and to be as fast as the fastest measured fit
+        micro-batched (k >= 2): measure 1/4 of the batch per micro-batch (the whole batch) and
+                                1/16 (a slice of it, in 2 and in 4), fit
+                                peak = fixed + per_row * rows  and
+                                time = fixed + per_micro * k + per_row * batch rows;
+                                predict every k; measure those predicted to fit and to be as
+                                fast as the fastest measured fit
         plain (k = 1):          predicted from the same line (no accumulator); measured if
                                 predicted to fit; and fused_update=True (each update inside
                                 backprop) where weights outweigh activations
@@ -175,6 +178,20 @@ class Candidate:
 
 
 @dataclasses.dataclass
+class _Point:
+    """One measurement of a micro-batched family: ``rows`` rows of the batch in ``micro_batches``."""
+
+    micro_batches: int
+    rows: int
+    peak_bytes: int  # as on the whole batch: the bytes of the rows left out are added
+    seconds: float
+
+    @property
+    def per_micro(self) -> int:
+        return _rows(self.rows, self.micro_batches)
+
+
+@dataclasses.dataclass
 class MemoryPlan:
     """The chosen configuration and everything planning saw.
 
@@ -260,6 +277,12 @@ def _bytes(variables) -> int:
     return sum(n * tf.as_dtype(v.dtype).size for n, v in zip(sizes, unique))
 
 
+def _converted_bytes(arrays) -> int:
+    """What converting NumPy arrays to tensors takes on the device (a copy on an accelerator)."""
+    convert = lambda: tf.nest.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), arrays)  # noqa: E731
+    return memory.measure(convert).extra_bytes
+
+
 def _micro_batch_choices(batch: int) -> list[int]:
     """1, 2, 4, ... and the batch size itself (one row per micro-batch)."""
     return sorted({1 << i for i in range(int(math.log2(batch)) + 1)} | {batch})
@@ -316,6 +339,11 @@ class _Planner:
         self.state = [*model.variables, *(scale.variables if isinstance(scale, tf.Module) else ())]
         self.state += list(optimizer.variables)  # its slots and iterations, on the host meanwhile
         self.snapshot = [v.numpy() for v in self.state]
+        # The line's points are measured on the first rows of the batch: a peak depends on the rows per
+        # micro-batch, not on how many there are, and the family's one trace takes any batch size
+        # (not under XLA, where every shape is its own compilation, nor split over replicas).
+        self.sub_batches = replicas == 1 and not options.get("jit_compile")
+        self.points: dict[int | None, list[_Point]] = {}
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
@@ -385,6 +413,36 @@ class _Planner:
         step.micro_batches = micro_batches
         return step
 
+    def _run(self, micro_batches: int, segments: int | None, fused: bool, calls: int, rows: int) -> tuple[int, float]:
+        """``(peak, seconds)`` of a step on the batch's first ``rows`` rows, the peak as on the whole batch.
+
+        The peak varies from call to call with how the executor's threads interleave frees and
+        allocations: the largest of ``calls`` calls, and the fastest of their times.
+        """
+        step = self._step(micro_batches, segments, fused)
+        whole = (self.x, self.y, self.sample_weight)
+        # Copies, not views: a tensor aliases a NumPy array that owns its memory on CPU, and copies a view.
+        part = (
+            whole
+            if rows == self.batch
+            else tf.nest.map_structure(lambda a: None if a is None else a[:rows].copy(), whole)
+        )
+        x, y, sample_weight = part
+        run = lambda: step(x, y, sample_weight)["loss"]  # noqa: E731
+        if not step.trace_count:
+            run()  # the family's first call (on the whole batch, see line): traces, makes the accumulators
+        reports, times = [], []
+        for _ in range(calls):
+            start = time.perf_counter()
+            reports.append(memory.measure(run))
+            times.append(time.perf_counter() - start)
+        # The batch is converted inside the call: what the rows left out would have taken (on an
+        # accelerator, their bytes; on CPU, nothing) is added.
+        left_out = 0 if part is whole else _converted_bytes(whole) - _converted_bytes(part)
+        accumulators = self.accumulator_bytes if micro_batches > 1 else 0
+        peak = self.weights_bytes + self.state_bytes + accumulators + max(r.extra_bytes for r in reports) + left_out
+        return peak, min(times)
+
     def measure(
         self, micro_batches: int, segments: int | None = None, fused: bool = False, calls: int = 3
     ) -> Candidate:
@@ -392,21 +450,7 @@ class _Planner:
         if candidate.measured_bytes is not None or candidate.note == "out of memory":
             return candidate
         try:
-            step = self._step(micro_batches, segments, fused)
-            run = lambda: step(self.x, self.y, self.sample_weight)["loss"]  # noqa: E731
-            if not step.trace_count:
-                run()  # the family's first call: traces, creates the accumulators (not counted)
-            # The peak varies from call to call with how the executor's threads interleave frees
-            # and allocations: the largest of three calls (two for the line's points), and the
-            # fastest of their times.
-            reports, times = [], []
-            for _ in range(calls):
-                start = time.perf_counter()
-                reports.append(memory.measure(run))
-                times.append(time.perf_counter() - start)
-            extra, candidate.seconds = max(r.extra_bytes for r in reports), min(times)
-            accumulators = self.accumulator_bytes if micro_batches > 1 else 0
-            candidate.measured_bytes = self.weights_bytes + self.state_bytes + accumulators + extra
+            candidate.measured_bytes, candidate.seconds = self._run(micro_batches, segments, fused, calls, self.batch)
             candidate.fits = candidate.measured_bytes <= self.limit
             if not candidate.fits:
                 candidate.note = "over budget (measured)"
@@ -424,6 +468,25 @@ class _Planner:
                 + ("" if candidate.seconds is None else f", {candidate.seconds:.3f} s/step")
             )
         return candidate
+
+    def probe(self, micro_batches: int, rows: int, segments: int | None) -> bool:
+        """Measures a line point on the batch's first ``rows`` rows (two calls); ``False`` if out of memory."""
+        if any((p.micro_batches, p.rows) == (micro_batches, rows) for p in self.points.get(segments, [])):
+            return True
+        try:
+            peak, seconds = self._run(micro_batches, segments, False, 2, rows)
+        except tf.errors.ResourceExhaustedError:
+            return False
+        finally:
+            self.restore()
+        point = _Point(micro_batches, rows, peak, seconds)
+        self.points.setdefault(segments, []).append(point)
+        if self.verbose:
+            _say(
+                f"line point: {point.per_micro} rows per micro-batch ({micro_batches} of {rows} rows), "
+                f"{peak / _MIB:,.1f} MiB as on the whole batch, {seconds:.3f} s"
+            )
+        return True
 
     def candidate(self, micro_batches: int, segments: int | None = None, fused: bool = False) -> Candidate:
         key = (micro_batches, segments, fused)
@@ -460,22 +523,35 @@ class _Planner:
 
     # ------------------------------------------------------------ planning
     def line(self, segments: int | None) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` of the micro-batched family: two safe measurements, then :meth:`fitted`.
+        """``(fixed, per_row)`` of the micro-batched family: points at 1/4 and 1/16 of the batch per
+        micro-batch (far apart: the allocator's noise, about 1 MiB between identical runs here, does
+        not swamp the slope), then :meth:`fitted`. All on the family's one trace.
 
-        The points are far apart (1/16 and 1/4 of the batch per micro-batch)
-        so the allocator's noise (about 1 MiB between identical runs here)
-        does not swamp the slope. Both run on the family's one trace.
+        The 1/4 point is a candidate, measured on the whole batch; the family's first call, on the
+        whole batch too, lays the allocator's regions out as training will (after a first call on
+        2 rows, the GPT-2 LM's peaks at 1 row per micro-batch were 60-150 MiB higher). The 1/16
+        point is measured on a slice of the batch, in 2 micro-batches and in 4: a peak depends on
+        the rows per micro-batch, not on how many there are, and the two times give what a
+        micro-batch costs (:meth:`seconds`). ResNet50 at batch 32: k=4 on 32 rows, then k=2 on 4
+        rows and k=4 on 8, where two k=16 calls on 32 rows took 3 s. Under XLA (a compilation per
+        shape) or split over replicas, the 1/16 point is a candidate too.
         """
-        rows = sorted({max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))})
-        for r in rows:
-            k = max(2, math.ceil(self.batch / r))
-            if self.measure(k, segments, calls=2).measured_bytes is None:
+        near, far = max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))
+        whole = [far] if self.sub_batches and 4 * near < self.batch else [far, near]
+        for r in dict.fromkeys(whole):
+            if self.measure(max(2, math.ceil(self.batch / r)), segments, calls=2).measured_bytes is None:
                 return None
+        if len(whole) == 1:
+            for k in (2, 4):
+                if not self.probe(k, k * near, segments):
+                    return None
         return self.fitted(segments)
 
-    def _measured(self, segments: int | None) -> list[Candidate]:
-        return [c for c in self.candidates.values()
-                if c.segments == segments and c.micro_batches > 1 and c.measured_bytes is not None]  # fmt: skip
+    def _points(self, segments: int | None) -> list[_Point]:
+        """The family's line points and measured micro-batched candidates (on the whole batch)."""
+        whole = [_Point(c.micro_batches, self.batch, c.measured_bytes, c.seconds) for c in self.candidates.values()
+                 if c.segments == segments and c.micro_batches > 1 and c.measured_bytes is not None]  # fmt: skip
+        return self.points.get(segments, []) + whole
 
     def fitted(self, segments: int | None) -> tuple[float, float]:
         """``peak = fixed + per_row * rows``, least squares over every measured micro-batched point.
@@ -484,25 +560,29 @@ class _Planner:
         LM at batch 8: 1 and 2 rows), where the allocator's noise sets the slope; a third point
         further out corrects it before a larger step (the plain one: a trace more) is tried.
         """
-        rows, peaks = zip(*((_rows(self.batch, c.micro_batches), c.measured_bytes) for c in self._measured(segments)))
-        rows, peaks = np.array(rows, float), np.array(peaks, float)
+        points = self._points(segments)
+        rows = np.array([p.per_micro for p in points], float)
+        peaks = np.array([p.peak_bytes for p in points], float)
         per_row = max(0.0, float(np.polyfit(rows, peaks, 1)[0])) if np.ptp(rows) else 0.0
         return float(peaks.mean() - per_row * rows.mean()), per_row
 
     def seconds(self, segments: int | None, micro_batches: int) -> float | None:
-        """A micro-batched step's time, ``rest + per_micro * k``, fitted to its measured points.
+        """A micro-batched step's time on the whole batch, ``fixed + per_micro * k + per_row * rows``,
+        least squares over its measured points.
 
-        Each micro-batch pays a fixed cost (its loop iteration, kernel launches, the accumulation)
-        and every row its share: the time is linear in ``k`` for a given batch (on ResNet50 batch 32,
-        k = 4 and 16 measured 0.81 and 1.55 s predict 1.06 and 2.55 s for 8 and 32: measured 1.00
-        and 2.30). A negative ``per_micro`` (small micro-batches that run faster per row, seen on
+        Each call pays a fixed cost (the optimizer's update, dispatch), each micro-batch its own (a loop
+        iteration, kernel launches, the accumulation) and every row its share. ResNet50 at batch 32:
+        2 micro-batches of 4 rows in 0.22 s, 4 of 8 rows in 0.43 s and 4 of 32 rows in 0.72 s predict
+        1.05 and 1.72 s for 8 and 16 micro-batches of 32 rows (measured 0.97-1.06 and 1.48-1.82 s
+        over runs). A negative ``per_micro`` (small micro-batches that run faster per row, seen on
         CPU caches) predicts more micro-batches faster, and they are measured.
         """
-        points = [(c.micro_batches, c.seconds) for c in self._measured(segments) if c.seconds is not None]
-        if len({k for k, _ in points}) < 2:
+        points = [p for p in self._points(segments) if p.seconds is not None]
+        if len({(p.micro_batches, p.rows) for p in points}) < 2:
             return None
-        per_micro, rest = np.polyfit(*zip(*points), 1)
-        return float(rest + per_micro * micro_batches)
+        design = np.array([[1.0, p.micro_batches, p.rows] for p in points])
+        coefficients = np.linalg.lstsq(design, np.array([p.seconds for p in points]), rcond=None)[0]
+        return float(coefficients @ [1.0, micro_batches, self.batch])
 
     def predict(self, line, micro_batches: int, fused: bool = False) -> int:
         """A configuration's peak from the micro-batched family's line.
@@ -542,9 +622,13 @@ class _Planner:
 
         tries = max(most - len(fitting(micro=False)), 1)
         while tries and (micro := fitting(micro=True)):
-            # The fastest predicted first; one predicted slower than a measured fitting step is not measured.
+            # The fastest predicted first; one predicted slower than a measured fitting step is not measured,
+            # unless that step is within half the margin of the limit: what planning leaves on the device,
+            # counted once it is done (7-37 MiB on ResNet50), may rule it out, and then the next one is
+            # needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then 13.2 MiB left over).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
-            fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments]
+            fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments
+                       and m.measured_bytes <= self.limit - self.margin / 2 * self.budget]  # fmt: skip
             predicted = self.seconds(segments, c.micro_batches)
             if fastest and predicted is not None and not same_speed(predicted, min(fastest)):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
@@ -752,10 +836,10 @@ def _plan(
             kept = None
     table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
     if best is None:
-        measured = [c for c in table if c.measured_bytes is not None]
-        if not measured:
+        known = [c for c in table if c.peak_bytes is not None]
+        if not known:
             raise ValueError(f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB: every configuration ran out of memory.")
-        smallest = min(measured, key=lambda c: c.measured_bytes)
+        smallest = min(known, key=lambda c: c.peak_bytes)
         line = planner.line(smallest.segments)
         what = ""
         if line is not None:
@@ -775,7 +859,13 @@ def _plan(
         raise ValueError(
             f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (measured peaks must stay within "
             f"{planner.limit / _MIB:,.1f} MiB, the budget less {planner.kept_free()}): the "
-            f"smallest peak achievable is {(smallest.measured_bytes + left) / _MIB:,.1f} MiB ({smallest.describe()}"
+            f"smallest peak achievable is {(smallest.peak_bytes + left) / _MIB:,.1f} MiB ({smallest.describe()}"
+            + (
+                ""
+                if smallest.measured_bytes is not None
+                else ", predicted from the line's points, "
+                f"where predictions must leave {planner.margin / 2:.0%} of the budget more"
+            )
             + (f", with the {left / _MIB:,.1f} MiB planning left on the device" if left else "")
             + f").{what}"
         )
