@@ -183,7 +183,7 @@ class _Point:
 
     micro_batches: int
     rows: int
-    peak_bytes: int  # as on the whole batch: the bytes of the rows left out are added
+    peak_bytes: int  # as on the whole batch: what the rows left out take on the device is added
     seconds: float
 
     @property
