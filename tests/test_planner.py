@@ -244,8 +244,10 @@ def test_step_time_is_modelled_from_slices_and_the_whole_batch():
 
 
 def test_the_line_measures_slices_of_the_batch_and_counts_the_rows_left_out(rng, monkeypatch):
-    # A 4 MiB batch and small activations: a slice of 1/8 of it, measured without the 3.5 MiB of rows
-    # it leaves out, would be 3.5 MiB under the whole batch's step at the same rows per micro-batch.
+    # A 4 MiB batch and small activations: how the batch is converted sets most of the peak (on CPU a
+    # tensor aliases a NumPy array that owns its memory and copies a view; on an accelerator both are
+    # copied), so a slice reads as the whole batch's step only if both are counted alike (counting the
+    # left-out rows' bytes on CPU put it 4.2 MiB over).
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
     x, y = _data(rng, (512,), 2048)
