@@ -64,6 +64,7 @@ Trap:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -348,6 +349,10 @@ class _Planner:
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
 
+    @functools.cached_property
+    def whole_converted_bytes(self) -> int:
+        return _converted_bytes((self.x, self.y, self.sample_weight))
+
     def kept_free(self) -> str:
         """``"X MiB kept free"``, and why when the reserve is more than half the margin."""
         said = f"{self.reserve / _MIB:,.1f} MiB kept free"
@@ -438,7 +443,7 @@ class _Planner:
             times.append(time.perf_counter() - start)
         # The batch is converted inside the call: what the rows left out would have taken (on an
         # accelerator, their bytes; on CPU, nothing) is added.
-        left_out = 0 if part is whole else _converted_bytes(whole) - _converted_bytes(part)
+        left_out = 0 if part is whole else self.whole_converted_bytes - _converted_bytes(part)
         accumulators = self.accumulator_bytes if micro_batches > 1 else 0
         peak = self.weights_bytes + self.state_bytes + accumulators + max(r.extra_bytes for r in reports) + left_out
         return peak, min(times)
@@ -606,7 +611,8 @@ class _Planner:
         choices = [k for k in _micro_batch_choices(self.batch) if k >= self.fewest]
         # The one-micro-batch step is the fastest and its prediction the least sure (gathered gradients):
         # it is tried up to the measured limit, the others within the margin.
-        allowed = {k: self.limit - (0 if k == 1 else self.margin / 2 * self.budget) for k in choices}
+        sure = self.limit - self.margin / 2 * self.budget  # what predictions must stay within
+        allowed = {k: self.limit if k == 1 else sure for k in choices}
 
         def fitting(micro: bool) -> list[Candidate]:
             """Re-predicted from the line as it stands; those predicted to fit, not measured or ruled out."""
@@ -628,7 +634,7 @@ class _Planner:
             # needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then 13.2 MiB left over).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
             fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments
-                       and m.measured_bytes <= self.limit - self.margin / 2 * self.budget]  # fmt: skip
+                       and m.measured_bytes <= sure]  # fmt: skip
             predicted = self.seconds(segments, c.micro_batches)
             if fastest and predicted is not None and not same_speed(predicted, min(fastest)):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
