@@ -361,6 +361,37 @@ def test_the_kernel_gradient_is_assembled_in_one_buffer():
     assert all(peak < 1.4 * kernel for peak in peaks.values()), {k: v / kernel for k, v in peaks.items()}
 
 
+_LATER_CHILD = textwrap.dedent(
+    """
+    import contextlib, json, sys
+    import effgrad, keras, tensorflow as tf
+    from effgrad.train import fused_loss
+    if sys.argv[1] == "during":  # the kernel's gradient made when backprop meets the loss, as a tape does
+        fused_loss.kernel_gradients_later = lambda variables: contextlib.nullcontext(lambda grads: grads)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    wide = keras.layers.Dense(16384, activation="gelu")(inputs)  # 32 MiB a tensor at 512 rows
+    hidden = keras.layers.Dense(256)(wide)
+    model = keras.Model(inputs, keras.layers.Dense(50_000)(hidden))  # a 49 MiB kernel
+    x = tf.random.normal([512, 64]); y = tf.random.uniform([512], 0, 50_000, tf.int32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # fused_update=False: the gathered step (a fused update frees each gradient as it is made)
+    step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.1), fused_loss=True, fused_update=False)
+    step(x, y)
+    print("@@" + json.dumps(min(effgrad.memory.measure(lambda: step(x, y)["loss"]).extra_bytes for _ in range(2))))
+    """
+)
+
+
+def test_the_kernel_gradient_is_not_alive_through_the_backward_pass_of_the_model_under_it():
+    # Backprop meets the loss first: a kernel gradient made there is held through the whole backward
+    # pass of the layers below (their activations and their gradients). The step makes it last.
+    peaks = in_fresh_processes(_LATER_CHILD, {"later": ["later"], "during": ["during"]})
+    kernel = 256 * 50_000 * 4
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    assert peaks["later"] < peaks["during"] - 0.4 * kernel, peaks
+
+
 def test_the_logits_are_never_made():
     peaks = in_fresh_processes(_CHILD, {"fused": ["fused"], "plain": ["plain"]})
     logits = 512 * 50_000 * 4  # 98 MiB: one copy

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from effgrad import state
+from effgrad.train import fused_loss
 from effgrad.train.accumulate import dense
 
 __all__ = ["Facts", "Sums", "Forward", "tape_gradients", "clipped_gradients"]
@@ -115,11 +116,13 @@ def tape_gradients(forward: Forward, multiplier: Callable, variables, facts: Fac
 
     def differentiate(batch, sums: Sums):
         x, y, sample_weight = batch
-        with tf.GradientTape() as tape:
-            y_pred, pending = forward(batch, sums.pending, facts)
-            total, normalizer = forward.objective.sums(y, y_pred, sample_weight, exact=exact)
-            target = total * multiplier(normalizer)
-        grads = dense(tape.gradient(target, variables))
+        # A fused loss's kernel gradient is made after the rest of backprop (not alive through it).
+        with fused_loss.kernel_gradients_later(variables) as finish:
+            with tf.GradientTape() as tape:
+                y_pred, pending = forward(batch, sums.pending, facts)
+                total, normalizer = forward.objective.sums(y, y_pred, sample_weight, exact=exact)
+                target = total * multiplier(normalizer)
+            grads = dense(finish(tape.gradient(target, variables)))
         sums = Sums(sums.total + total, sums.normalizer + normalizer, pending, _sized(sums.noise, normalizer))
         if on_gradients is not None:
             sums = on_gradients(grads, sums)

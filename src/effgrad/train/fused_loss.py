@@ -9,12 +9,13 @@ two more of its size. Fused, in chunks of rows (Cut Cross-Entropy, Wijmans et
 al. 2025; Liger's fused linear cross-entropy)::
 
     forward, per chunk c of rows and     z = h_c @ W_j (+ b_j) (soft-capped: cap * tanh(z / cap))
-    j of 4,096 classes:                  lse_c: a running logsumexp over j;  loss_c = lse_c - z[label]
-                                         keep lse_c (one number per row), drop z
-    backward, per chunk of 4,096 classes j and of rows c, z recomputed:
-                                         p = exp(z_cj - lse_c);  dz = (p - onehot(label)) * dloss_c
-                                         dh_c += dz @ W_j^T;  dW_j += h_c^T @ dz;  db_j += sum(dz)
-                                         W's gradient: each dW_j written into it in place
+    j of 4,096 classes:                  running max m_c and sum s_c of exp(z - m_c): the logsumexp
+                                         a_c: the running sum of exp(z - m_c) @ W_j^T, rescaled as m_c grows
+                                         keep lse_c = m_c + log s_c (one number per row) and
+                                         g_c = a_c / s_c - W[label_c] (d loss_c / d h_c: [rows, d]); drop z
+    backward:                            dh_c = dloss_c * g_c
+    W's gradient, per chunk j of         z recomputed;  dz = (exp(z_cj - lse_c) - onehot(label)) * dloss_c
+    4,096 classes and c of rows:         dW_j += h_c^T @ dz;  db_j += sum(dz); each dW_j written in place
 
 Only one chunk's logits (16 MiB of float32 by default) exist at a time (with
 rank metrics the forward chunks hold all classes of fewer rows: a rank needs
@@ -22,7 +23,15 @@ the label's logit before the others are counted), and
 the kernel's gradient is summed per class chunk in a small buffer (summing
 whole kernel-sized gradients over row chunks would keep three of them
 alive). The loss and every gradient equal the plain computation's (the
-chunks run in float32 whatever the compute dtype).
+chunks run in float32 whatever the compute dtype). Four matmuls of the
+head's size, where the plain loss does three: the logits are made twice.
+
+Because the hidden states' gradient is made in the forward pass (an online
+softmax, as flash attention's), the kernel's gradient needs nothing from
+backprop but ``dloss`` (a number per row), so it can wait: inside
+:func:`kernel_gradients_later` (the train step's backprop) it is made after
+the backward pass of the whole model under the head, instead of being held
+through it (49 MiB at GPT-2's vocabulary, where that backward pass peaks).
 
 Trap:
     The saving is in the loss, not the model: anything else that reads the
@@ -34,8 +43,10 @@ Trap:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 import warnings
 
 import keras
@@ -43,7 +54,7 @@ import tensorflow as tf
 
 from effgrad import _compat
 
-__all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide", "readers_of_logits"]
+__all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide", "readers_of_logits", "kernel_gradients_later"]
 
 # Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
 CHUNK_ELEMENTS = 2**22
@@ -116,6 +127,8 @@ def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_cl
     Accuracy (Keras's argmax, first maximum wins) is "both are 0"; top-k (``tf.math.in_top_k``:
     ties straddling the boundary are in) is "the first is below k".
     """
+    # The variables themselves, for kernel_gradients_later (a tensor has no gradient to defer).
+    owners = tuple(t if isinstance(t, (tf.Variable, keras.Variable)) else None for t in (kernel, bias))
     hidden = tf.convert_to_tensor(hidden)
     kernel = tf.convert_to_tensor(kernel)
     labels = tf.convert_to_tensor(labels)
@@ -140,7 +153,7 @@ def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_cl
     # Without ranks a chunk is [rows, 4,096 classes] (see _fused's forward_in_blocks).
     size = _chunk_rows(vocabulary if ranks else min(vocabulary, _VOCAB_CHUNK), chunk_rows)
     losses, rank = _fused(
-        flat_hidden, kernel, bias, flat_labels, valid, transposed, soft_cap, size, given if ranks else None
+        flat_hidden, kernel, bias, flat_labels, valid, transposed, soft_cap, size, given if ranks else None, owners
     )
     losses = tf.reshape(losses, rows_shape)
     if valid is not None:
@@ -150,9 +163,75 @@ def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_cl
     return losses, rank
 
 
-def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, given=None):
-    """``([rows] losses, [rows, 2] ranks of ``given`` or None)``; the losses' gradient recomputes
-    each chunk's logits."""
+_deferred = threading.local()
+
+
+def _later() -> list | None:
+    return getattr(_deferred, "pending", None)
+
+
+@contextlib.contextmanager
+def kernel_gradients_later(variables):
+    """Inside, the fused loss's backprop leaves the projection's weight gradients for afterwards.
+
+    Yields ``finish(grads) -> grads``: call it with ``tape.gradient(target,
+    variables)`` (made inside the block); it makes the kernel's and the bias's
+    gradients once every other gradient exists and adds them in.
+
+    Why: backprop meets the loss first, so the kernel's gradient (``d x V``,
+    49 MiB at GPT-2's vocabulary) would otherwise be alive through the whole
+    backward pass of the model under it, where the peak is. Made last, from
+    the rows' ``logsumexp`` and upstream gradients (a few numbers per row), it
+    costs the same matmuls: the forward pass already made the hidden states'
+    gradient. An embedding tied to the kernel gets its lookup gradient
+    (IndexedSlices, or dense from a checkpointed segment) added into that
+    buffer chunk by chunk.
+    """
+    pending: list = []
+    outer, _deferred.pending = _later(), pending  # per thread: MirroredStrategy traces replicas in threads
+    variables = list(variables)
+
+    def finish(grads):
+        grads = list(grads)
+        made = [t for g in grads if g is not None for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))]
+        for owners, weights in pending:
+            where = [next((i for i, v in enumerate(variables) if v is o), None) for o in owners]
+            if all(i is None for i in where):  # a frozen projection: no gradient wanted
+                continue
+            with tf.control_dependencies(made):  # after the rest of backprop: not alive through it
+                made_here = weights([None if i is None else grads[i] for i in where])
+            for i, owner, gradient in zip(where, owners, made_here):
+                if i is not None:
+                    grads[i] = tf.cast(gradient, owner.dtype)
+        pending.clear()
+        return grads
+
+    try:
+        yield finish
+    finally:
+        _deferred.pending = outer
+
+
+def _logits(h, w, b, transposed: bool, soft_cap):
+    """``(z, dz / d(h @ w + b) or None)``: a chunk's logits, and the soft cap's slope if there is one."""
+    z = tf.matmul(h, w, transpose_b=transposed)
+    if b is not None:
+        z = z + b
+    if soft_cap is None:
+        return z, None
+    capped = tf.tanh(z / soft_cap)
+    return soft_cap * capped, 1.0 - tf.square(capped)
+
+
+def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, given=None, owners=(None, None)):
+    """``([rows] losses, [rows, 2] ranks of ``given`` or None)``.
+
+    The forward pass also makes each row's gradient of its loss with respect to ``hidden`` (an
+    online softmax, as flash attention's); backprop only scales it, and recomputes each chunk's
+    logits for the kernel's gradient. ``owners``: the variables behind ``kernel`` and ``bias``:
+    inside :func:`kernel_gradients_later` their gradient is left to be made after the rest of
+    backprop.
+    """
     has_bias = bias is not None
     bias = tf.zeros([0], tf.float32) if bias is None else tf.convert_to_tensor(bias)
     rows = tf.shape(hidden)[0]
@@ -166,14 +245,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
         return tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
 
     def logits_of(h_chunk, w, b):
-        z = tf.matmul(h_chunk, w, transpose_b=transposed)
-        if has_bias:
-            z = z + b
-        capped = None
-        if soft_cap is not None:
-            capped = tf.tanh(z / soft_cap)
-            z = soft_cap * capped
-        return z, capped
+        return _logits(h_chunk, w, b if has_bias else None, transposed, soft_cap)
 
     def chunk(t, i):
         # A static-size slice: XLA needs static shapes, and the padding makes every chunk full.
@@ -199,54 +271,82 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             inside = (local >= 0) & (local < width)
             return tf.where(inside, local, 0), inside
 
-        def forward_in_blocks(i, lse_parts, loss_parts):
+        def back_to_hidden(p, w_j):  # p @ W_j^T: [rows, classes] -> [rows, d]
+            return tf.matmul(p, w_j, transpose_b=not transposed)
+
+        def minus_label_rows(acc, labels_c, label_logit):
+            # d loss / d h = softmax @ W^T - W[:, label] (times the cap's slope at each logit).
+            local, inside = labels_in(labels_c, 0, vocabulary)
+            w_label = tf.gather(w32, local) if transposed else tf.transpose(tf.gather(w32, local, axis=1))
+            slope = tf.where(inside, 1.0, 0.0)
+            if soft_cap is not None:
+                slope *= 1.0 - tf.square(label_logit / soft_cap)
+            return acc - slope[:, None] * w_label
+
+        def forward_in_blocks(i, lse_parts, loss_parts, dh_parts):
             # Without ranks a row's logits need not exist whole: the logsumexp runs over chunks of
-            # 4,096 classes (a running max and sum), so each matmul is [size, 4,096], the shape
-            # backprop uses, not a skinny [16 MiB / V, V] (measured at GPT-2's vocabulary, 2,048
-            # rows: 0.16 s against 0.24 s).
+            # 4,096 classes (a running max and sum, and the sum of softmax-weighted kernel rows
+            # rescaled with them), so each matmul is [size, 4,096], the shape backprop uses, not a
+            # skinny [16 MiB / V, V] (measured at GPT-2's vocabulary, 2,048 rows: 0.16 s against 0.24 s).
             h_i, labels_i = chunk(h_pad, i), chunk(labels_pad, i)
             top = tf.fill(tf.shape(labels_i), float("-inf"))
             total, picked, previous = tf.zeros_like(top), tf.zeros_like(top), []
+            acc = tf.zeros_like(h_i)
             for start in range(0, vocabulary, _VOCAB_CHUNK):
                 width = min(_VOCAB_CHUNK, vocabulary - start)
                 with tf.control_dependencies(previous):  # one class chunk's logits at a time
-                    z, _ = logits_of(h_i, *classes(start, width))
+                    w_j, b_j = classes(start, width)
+                    z, slope = logits_of(h_i, w_j, b_j)
                 new_top = tf.maximum(top, tf.reduce_max(z, axis=1))
-                total = total * tf.exp(top - new_top) + tf.reduce_sum(tf.exp(z - new_top[:, None]), axis=1)
+                rescale = tf.exp(top - new_top)
+                e = tf.exp(z - new_top[:, None])
+                total = total * rescale + tf.reduce_sum(e, axis=1)
+                acc = acc * rescale[:, None] + back_to_hidden(e if slope is None else e * slope, w_j)
                 top = new_top
                 local, inside = labels_in(labels_i, start, width)
                 picked += tf.where(inside, tf.gather(z, local, batch_dims=1), 0.0)
-                previous = [total, picked]
+                previous = [total, picked, acc]
             lse = top + tf.math.log(total)
-            return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked)
+            dh = minus_label_rows(acc / total[:, None], labels_i, picked)
+            return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked), dh_parts.write(i, dh)
 
-        def forward(i, lse_parts, loss_parts, *rank_parts):
-            z, _ = logits_of(chunk(h_pad, i), w32, b32)
+        def forward(i, lse_parts, loss_parts, dh_parts, rank_parts):
+            z, slope = logits_of(chunk(h_pad, i), w32, b32)
             lse = tf.reduce_logsumexp(z, axis=1)
-            picked = tf.gather(z, chunk(labels_pad, i), batch_dims=1)
-            parts = (lse_parts.write(i, lse), loss_parts.write(i, lse - picked))
-            if given is not None:  # the metrics' share: two counts per row from logits that exist anyway
-                label, inside = labels_in(chunk(given_pad, i), 0, vocabulary)
-                target = tf.gather(z, label, batch_dims=1)[:, None]
-                beaten = tf.reduce_sum(tf.cast(z > target, tf.float32), axis=1)
-                tied = tf.reduce_sum(tf.cast((z == target) & (class_ids < label[:, None]), tf.float32), axis=1)
-                beaten = tf.where(inside, beaten, float(vocabulary))
-                parts += (rank_parts[0].write(i, tf.stack([beaten, tied], axis=1)),)
-            return (i + 1, *parts)
+            labels_i = chunk(labels_pad, i)
+            picked = tf.gather(z, labels_i, batch_dims=1)
+            p = tf.exp(z - lse[:, None])
+            dh = minus_label_rows(back_to_hidden(p if slope is None else p * slope, w32), labels_i, picked)
+            # The metrics' share: two counts per row from logits that exist anyway.
+            label, inside = labels_in(chunk(given_pad, i), 0, vocabulary)
+            target = tf.gather(z, label, batch_dims=1)[:, None]
+            beaten = tf.reduce_sum(tf.cast(z > target, tf.float32), axis=1)
+            tied = tf.reduce_sum(tf.cast((z == target) & (class_ids < label[:, None]), tf.float32), axis=1)
+            beaten = tf.where(inside, beaten, float(vocabulary))
+            return (
+                i + 1,
+                lse_parts.write(i, lse),
+                loss_parts.write(i, lse - picked),
+                dh_parts.write(i, dh),
+                rank_parts.write(i, tf.stack([beaten, tied], axis=1)),
+            )
 
+        depth = h.shape[-1]
         arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[None]) for _ in range(2)]
+        arrays.append(tf.TensorArray(tf.float32, size=chunks, element_shape=[None, depth]))
         if given is not None:
             arrays.append(tf.TensorArray(tf.float32, size=chunks, element_shape=[None, 2]))
         # One chunk at a time (parallel_iterations=1): running several at once holds several chunks'
         # logits (measured: 632 vs 162 MiB for 2,048 rows of GPT-2's vocabulary).
-        _, lse_parts, loss_parts, *rank_parts = tf.while_loop(
+        _, lse_parts, loss_parts, dh_parts, *rank_parts = tf.while_loop(
             lambda i, *_: i < chunks,
             forward if given is not None else forward_in_blocks,
             (tf.constant(0), *arrays),
             maximum_iterations=chunks,
             parallel_iterations=1,
         )
-        lse = lse_parts.stack()  # [chunks, size]: one number per row is all backprop keeps
+        lse = tf.reshape(lse_parts.stack(), [-1])[:rows]  # one number per row is all backprop keeps
+        d_hidden = tf.reshape(dh_parts.stack(), [-1, depth])[:rows]  # [rows, d]: the size of `hidden`
         loss = tf.reshape(loss_parts.stack(), [-1])[:rows]
         if valid is not None:
             loss = tf.where(valid, loss, 0.0)
@@ -255,79 +355,118 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             outputs += (tf.reshape(rank_parts[0].stack(), [-1, 2])[:rows],)
 
         def grad(upstream, *_rank_gradient):  # the ranks are counts: no gradient flows through them
-            # Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the
-            # kernel's gradient is summed per vocabulary chunk in a small [d, chunk] buffer, then
-            # written in place into the one kernel-sized buffer. Summing whole [d, V] gradients over
-            # row chunks would keep three kernel-sized buffers alive (the sum, the addend, the
-            # result); concatenating the chunks at the end, two (measured: 49 MiB more at GPT-2's).
             d_loss = tf.cast(upstream, tf.float32)
             if valid is not None:
                 d_loss = tf.where(valid, d_loss, 0.0)
-            depth = h.shape[-1]
-            lse_rows = tf.reshape(lse, [-1])[:rows]
-            rc = tf.maximum(tf.minimum(max(1, CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
-            row_chunks = (rows + rc - 1) // rc
-            extra = row_chunks * rc - rows
+            dh = tf.cast(d_loss[:, None] * d_hidden, h.dtype)
+            later = _later()
+            if later is not None and all(o is not None for o in owners[: 1 + has_bias]):
 
-            def kernel_order(vocabulary_axis, depth_axis):
-                return [vocabulary_axis, depth_axis] if transposed else [depth_axis, vocabulary_axis]
+                def weights(others):
+                    return _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, has_bias, others)
 
-            def rows_padded(t):
-                return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
-
-            def rows_of(t, i):
-                return tf.slice(t, [i * rc] + [0] * (t.shape.rank - 1), [rc] + [-1] * (t.shape.rank - 1))
-
-            h_b, d_b, lse_b, labels_b = (rows_padded(t) for t in (h32, d_loss, lse_rows, labels))
-            dh = tf.zeros_like(h_b)
-            dw, db_parts, previous = None, [], []
-            for start in range(0, vocabulary, _VOCAB_CHUNK):
-                width = min(_VOCAB_CHUNK, vocabulary - start)
-                with tf.control_dependencies(previous):  # one vocabulary chunk at a time
-                    w_j, b_j = classes(start, width)
-                local, inside = labels_in(labels_b, start, width)
-
-                def backward(i, dh_parts, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
-                    h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
-                    z, capped = logits_of(h_i, w_j, b_j)
-                    dz = tf.exp(z - lse_i[:, None]) * d_i[:, None]
-                    # minus d_loss at each row's label (if in this chunk): a scatter, not a one-hot
-                    picks = tf.stack([tf.range(rc), rows_of(local, i)], axis=1)
-                    dz = tf.tensor_scatter_nd_sub(dz, picks, tf.where(rows_of(inside, i), d_i, 0.0))
-                    if capped is not None:
-                        dz = dz * (1.0 - tf.square(capped))
-                    dh_i = tf.matmul(dz, w_j, transpose_b=not transposed)
-                    if transposed:
-                        dw_i = tf.matmul(dz, h_i, transpose_a=True)
-                    else:
-                        dw_i = tf.matmul(h_i, dz, transpose_a=True)
-                    db_j = db_j + tf.reduce_sum(dz, axis=0) if has_bias else db_j
-                    return i + 1, dh_parts.write(i, dh_i), dw_j + dw_i, db_j
-
-                dh_parts = tf.TensorArray(tf.float32, size=row_chunks, element_shape=[None, depth])
-                _, dh_parts, dw_j, db_j = tf.while_loop(
-                    lambda i, *_: i < row_chunks,
-                    backward,
-                    (tf.constant(0), dh_parts, tf.zeros_like(w_j), tf.zeros_like(b_j)),
-                    maximum_iterations=row_chunks,
-                    parallel_iterations=1,
-                )
-                dh = dh + tf.reshape(dh_parts.stack(), [-1, depth])
-                if dw is None:  # the buffer: the first chunk padded with zeros (a zeros tensor would be
-                    # folded into a kernel-sized constant that the graph keeps for good)
-                    dw = tf.pad(dw_j, kernel_order([0, vocabulary - width], [0, 0]))
-                else:  # in place: TensorFlow forwards the buffer nothing else reads; XLA updates in place
-                    begin, end = kernel_order(start, 0), kernel_order(start + width, depth)
-                    dw = tf.raw_ops.TensorStridedSliceUpdate(input=dw, begin=begin, end=end, strides=[1, 1], value=dw_j)
-                db_parts.append(db_j)
-                previous = [dw, dh]
-            db = tf.concat(db_parts, axis=0) if has_bias else b32
-            return tf.cast(dh[:rows], h.dtype), tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
+                later.append((owners, weights))
+                return dh, None, None
+            dw, db = _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, has_bias)
+            return dh, tf.cast(dw, w.dtype), tf.cast(db, b.dtype)
 
         return outputs, grad
 
     outputs = fused(hidden, kernel, bias)
     return outputs[0], (outputs[1] if given is not None else None)
+
+
+def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, has_bias, others=(None, None)):
+    """``(dW, db)`` of ``sum(d_loss * loss)``, each chunk's logits made again from ``lse``.
+
+    ``others``: gradients of the kernel and the bias from elsewhere (a tied embedding's lookup,
+    IndexedSlices), added chunk by chunk: added to the whole kernel-sized result they would take a
+    second kernel-sized buffer (TensorFlow's scatter-add does not update its input in place).
+
+    Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the kernel's
+    gradient is summed per vocabulary chunk in a small ``[d, chunk]`` buffer, then written in place
+    into the one kernel-sized buffer. Summing whole ``[d, V]`` gradients over row chunks would keep
+    three kernel-sized buffers alive (the sum, the addend, the result); concatenating the chunks at
+    the end, two (measured: 49 MiB more at GPT-2's).
+    """
+    vocabulary = int(w32.shape[0] if transposed else w32.shape[1])
+    depth = int(h32.shape[-1])
+    rows = tf.shape(h32)[0]
+    rc = tf.maximum(tf.minimum(max(1, CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
+    row_chunks = (rows + rc - 1) // rc
+    extra = row_chunks * rc - rows
+
+    def kernel_order(vocabulary_axis, depth_axis):
+        return [vocabulary_axis, depth_axis] if transposed else [depth_axis, vocabulary_axis]
+
+    def rows_of(t, i):
+        return tf.slice(t, [i * rc] + [0] * (t.shape.rank - 1), [rc] + [-1] * (t.shape.rank - 1))
+
+    h_b, d_b, lse_b, labels_b = (
+        tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1)) for t in (h32, d_loss, lse, labels)
+    )
+    dw, db_parts, previous = None, [], []
+    sparse = others[0] if isinstance(others[0], tf.IndexedSlices) else None
+    dense = others[0] is not None and sparse is None
+    if dense:  # a dense gradient from elsewhere (a checkpointed segment's lookup) is the buffer itself:
+        dw = tf.cast(others[0], tf.float32)  # each chunk is added to its slice of it, in place
+    for start in range(0, vocabulary, _VOCAB_CHUNK):
+        width = min(_VOCAB_CHUNK, vocabulary - start)
+        with tf.control_dependencies(previous):  # one vocabulary chunk at a time
+            w_j = w32[start : start + width] if transposed else w32[:, start : start + width]
+            b_j = b32[start : start + width] if has_bias else b32
+        local = labels_b - start
+        inside = (local >= 0) & (local < width)
+        local = tf.where(inside, local, 0)
+
+        def backward(i, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
+            h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
+            z, slope = _logits(h_i, w_j, b_j if has_bias else None, transposed, soft_cap)
+            dz = tf.exp(z - lse_i[:, None]) * d_i[:, None]
+            # minus d_loss at each row's label (if in this chunk): a scatter, not a one-hot
+            picks = tf.stack([tf.range(rc), rows_of(local, i)], axis=1)
+            dz = tf.tensor_scatter_nd_sub(dz, picks, tf.where(rows_of(inside, i), d_i, 0.0))
+            if slope is not None:
+                dz = dz * slope
+            dw_i = tf.matmul(dz, h_i, transpose_a=True) if transposed else tf.matmul(h_i, dz, transpose_a=True)
+            db_j = db_j + tf.reduce_sum(dz, axis=0) if has_bias else db_j
+            return i + 1, dw_j + dw_i, db_j
+
+        _, dw_j, db_j = tf.while_loop(
+            lambda i, *_: i < row_chunks,
+            backward,
+            (
+                tf.constant(0),
+                _part(dw if dense else sparse, start, width, 0 if transposed else 1, w_j),
+                _part(others[1], start, width, 0, b_j),
+            ),
+            maximum_iterations=row_chunks,
+            parallel_iterations=1,
+        )
+        if dw is None:  # the buffer: the first chunk padded with zeros (a zeros tensor would be
+            # folded into a kernel-sized constant that the graph keeps for good)
+            dw = tf.pad(dw_j, kernel_order([0, vocabulary - width], [0, 0]))
+        else:  # in place: TensorFlow forwards the buffer nothing else reads; XLA updates in place
+            begin, end = kernel_order(start, 0), kernel_order(start + width, depth)
+            dw = tf.raw_ops.TensorStridedSliceUpdate(input=dw, begin=begin, end=end, strides=[1, 1], value=dw_j)
+        db_parts.append(db_j)
+        previous = [dw]
+    return dw, (tf.concat(db_parts, axis=0) if has_bias else b32)
+
+
+def _part(gradient, start: int, width: int, class_axis: int, like):
+    """Classes ``start:start + width`` (along ``class_axis``) of a kernel's or bias's ``gradient``:
+    dense, IndexedSlices (a lookup's rows) or None (zeros), shaped as ``like``."""
+    if gradient is None:
+        return tf.zeros_like(like)
+    if isinstance(gradient, tf.IndexedSlices) and class_axis == 0:  # the looked-up rows in the chunk
+        local = tf.cast(gradient.indices, tf.int32) - start
+        inside = (local >= 0) & (local < width)
+        values = tf.cast(gradient.values, tf.float32)
+        values = tf.where(tf.reshape(inside, [-1] + [1] * (values.shape.rank - 1)), values, 0.0)
+        return tf.tensor_scatter_nd_add(tf.zeros_like(like), tf.where(inside, local, 0)[:, None], values)
+    gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+    return gradient[start : start + width] if class_axis == 0 else gradient[:, start : start + width]
 
 
 def readers_of_logits(on_micro_batch, y=None, logits=None) -> list[str]:
