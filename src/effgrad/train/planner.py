@@ -796,7 +796,10 @@ def _plan(
         model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options), verbose,
         built_bytes=built,
     )  # fmt: skip
-    resident = memory.current_bytes()  # what planning may leave behind is counted from here
+    # What planning may leave behind is counted from here, garbage of earlier work collected first:
+    # freed during planning (release collects), it would hide what planning leaves (a used process).
+    gc.collect()
+    resident = memory.current_bytes()
     floor = planner.floor()
     if floor > planner.limit:
         raise ValueError(
