@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from effgrad.train import fused_loss
 from helpers import in_fresh_processes, tiny_gpt2_lm
 from test_checkpoint import count_calls
 
@@ -361,35 +362,56 @@ def test_the_kernel_gradient_is_assembled_in_one_buffer():
     assert all(peak < 1.4 * kernel for peak in peaks.values()), {k: v / kernel for k, v in peaks.items()}
 
 
-_LATER_CHILD = textwrap.dedent(
-    """
-    import contextlib, json, sys
-    import effgrad, keras, tensorflow as tf
-    from effgrad.train import fused_loss
-    if sys.argv[1] == "during":  # the kernel's gradient made when backprop meets the loss, as a tape does
-        fused_loss.kernel_gradients_later = lambda variables: contextlib.nullcontext(lambda grads: grads)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    wide = keras.layers.Dense(16384, activation="gelu")(inputs)  # 32 MiB a tensor at 512 rows
-    hidden = keras.layers.Dense(256)(wide)
-    model = keras.Model(inputs, keras.layers.Dense(50_000)(hidden))  # a 49 MiB kernel
-    x = tf.random.normal([512, 64]); y = tf.random.uniform([512], 0, 50_000, tf.int32)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    # fused_update=False: the gathered step (a fused update frees each gradient as it is made)
-    step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.1), fused_loss=True, fused_update=False)
-    step(x, y)
-    print("@@" + json.dumps(min(effgrad.memory.measure(lambda: step(x, y)["loss"]).extra_bytes for _ in range(2))))
-    """
-)
+def test_the_kernel_gradient_is_made_after_every_other_gradient(rng):
+    # Backprop meets the loss first: a kernel gradient made there is held through the backward pass of
+    # every layer below (GPT-2 LM, T=256: 456 -> 388 MiB, `python -m benchmarks run fused_loss`). In
+    # the step it is left out of backprop and made after it, from a number per row, to the same value.
+    # Measured peaks cannot show it reliably in a test: with two inter-op threads the executor may run
+    # an eager kernel gradient beside or after the layers' backward passes (242-275 MiB in one model).
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="gelu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(300)(hidden))
+    head = model.layers[-1]
+    trunk = keras.Model(inputs, hidden)
+    x, y = tf.constant(rng.normal(size=(10, 12)), tf.float32), tf.constant(rng.integers(0, 300, 10))
+    variables = model.trainable_variables
+    kernel_at = next(i for i, v in enumerate(variables) if v is head.kernel)
+    seen = []
 
+    def loss():
+        return tf.reduce_sum(effgrad.fused_sparse_cross_entropy(trunk(x), head.kernel, y, bias=head.bias))
 
-def test_the_kernel_gradient_is_not_alive_through_the_backward_pass_of_the_model_under_it():
-    # Backprop meets the loss first: a kernel gradient made there is held through the whole backward
-    # pass of the layers below (their activations and their gradients). The step makes it last.
-    peaks = in_fresh_processes(_LATER_CHILD, {"later": ["later"], "during": ["during"]})
-    kernel = 256 * 50_000 * 4
-    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
-    assert peaks["later"] < peaks["during"] - 0.4 * kernel, peaks
+    @tf.function
+    def later():
+        with fused_loss.kernel_gradients_later(variables) as finish:
+            with tf.GradientTape() as tape:
+                value = loss()
+            raw = tape.gradient(value, variables)
+            seen.append(raw[kernel_at])
+            return finish(raw)
+
+    graph = later.get_concrete_function().graph
+    assert seen == [None]  # backprop made no kernel gradient
+    grads = later()
+    with tf.GradientTape() as tape:
+        value = loss()
+    for ours, plain in zip(grads, tape.gradient(value, variables)):
+        np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-6)
+
+    # ... and the ops that make it wait for every other gradient (control dependencies).
+    def source(t):  # a function's outputs pass through Identity ops
+        while t.op.type == "Identity":
+            t = t.op.inputs[0]
+        return t
+
+    ancestors, todo = set(), [source(graph.structured_outputs[kernel_at]).op]
+    while todo:
+        op = todo.pop()
+        if op.name not in ancestors:
+            ancestors.add(op.name)
+            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    others = [g for i, g in enumerate(graph.structured_outputs) if i not in (kernel_at, kernel_at + 1)]
+    assert others and all(source(g).op.name in ancestors for g in others), [source(g).op.name for g in others]
 
 
 def test_the_logits_are_never_made():
