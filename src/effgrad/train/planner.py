@@ -840,9 +840,13 @@ def _plan(
     if left:
         count_left(planner.candidates.values(), left, planner.limit)
         chosen, best = best, planner.best()
-        if kept is not None and best is not chosen:  # not the step training will run
-            accumulate.free_accumulators(kept._accumulators or [])
-            kept = None
+        if kept is not None and best is not chosen:
+            family = (chosen.micro_batches > 1, chosen.segments, chosen.fused_update)
+            if best is not None and (best.micro_batches > 1, best.segments, best.fused_update) == family:
+                kept.micro_batches = best.micro_batches  # the same trace and accumulators: k is a runtime value
+            else:  # not the step training will run
+                accumulate.free_accumulators(kept._accumulators or [])
+                kept = None
     table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
     if best is None:
         known = [c for c in table if c.peak_bytes is not None]
