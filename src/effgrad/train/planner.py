@@ -627,14 +627,16 @@ class _Planner:
                     and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
 
         tries = max(most - len(fitting(micro=False)), 1)
+        clear = self.limit - self.margin * self.budget  # a measured fit this far below needs no fallback
         while tries and (micro := fitting(micro=True)):
             # The fastest predicted first; one predicted slower than a measured fitting step is not measured,
-            # unless that step is within half the margin of the limit: what planning leaves on the device,
+            # unless that step is within the margin of the limit: what planning leaves on the device,
             # counted once it is done (7-37 MiB on ResNet50), may rule it out, and then the next one is
-            # needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then 13.2 MiB left over).
+            # needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then 13.2 MiB left over; at
+            # a 506 MiB budget, more than half the margin was left and "Nothing fits" was said).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
             fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments
-                       and m.measured_bytes <= sure]  # fmt: skip
+                       and m.measured_bytes <= clear]  # fmt: skip
             predicted = self.seconds(segments, c.micro_batches)
             if fastest and predicted is not None and not same_speed(predicted, min(fastest)):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
