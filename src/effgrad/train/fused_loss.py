@@ -212,6 +212,19 @@ def kernel_gradients_later(variables):
         _deferred.pending = outer
 
 
+def _classes(w, b, start: int, width: int, transposed: bool, has_bias: bool):
+    """The kernel's and the bias's classes ``start:start + width``."""
+    w_j = w[start : start + width] if transposed else w[:, start : start + width]
+    return w_j, (b[start : start + width] if has_bias else b)
+
+
+def _in_chunk(ids, start: int, width: int):
+    """``(each id's index in the class chunk start:start + width, or 0; whether it is in it)``."""
+    local = ids - start
+    inside = (local >= 0) & (local < width)
+    return tf.where(inside, local, 0), inside
+
+
 def _logits(h, w, b, transposed: bool, soft_cap):
     """``(z, dz / d(h @ w + b) or None)``: a chunk's logits, and the soft cap's slope if there is one."""
     z = tf.matmul(h, w, transpose_b=transposed)
@@ -262,21 +275,15 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             given_pad = padded(given)
             class_ids = tf.range(vocabulary)
 
-        def classes(start, width):  # the kernel's and the bias's classes start:start + width
-            w_j = w32[start : start + width] if transposed else w32[:, start : start + width]
-            return w_j, (b32[start : start + width] if has_bias else b32)
-
-        def labels_in(labels_c, start, width):  # (each label's index in the class chunk, or 0; whether in it)
-            local = labels_c - start
-            inside = (local >= 0) & (local < width)
-            return tf.where(inside, local, 0), inside
+        def classes(start, width):
+            return _classes(w32, b32, start, width, transposed, has_bias)
 
         def back_to_hidden(p, w_j):  # p @ W_j^T: [rows, classes] -> [rows, d]
             return tf.matmul(p, w_j, transpose_b=not transposed)
 
         def minus_label_rows(acc, labels_c, label_logit):
             # d loss / d h = softmax @ W^T - W[:, label] (times the cap's slope at each logit).
-            local, inside = labels_in(labels_c, 0, vocabulary)
+            local, inside = _in_chunk(labels_c, 0, vocabulary)
             w_label = tf.gather(w32, local) if transposed else tf.transpose(tf.gather(w32, local, axis=1))
             slope = tf.where(inside, 1.0, 0.0)
             if soft_cap is not None:
@@ -303,7 +310,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
                 total = total * rescale + tf.reduce_sum(e, axis=1)
                 acc = acc * rescale[:, None] + back_to_hidden(e if slope is None else e * slope, w_j)
                 top = new_top
-                local, inside = labels_in(labels_i, start, width)
+                local, inside = _in_chunk(labels_i, start, width)
                 picked += tf.where(inside, tf.gather(z, local, batch_dims=1), 0.0)
                 previous = [total, picked, acc]
             lse = top + tf.math.log(total)
@@ -318,7 +325,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             p = tf.exp(z - lse[:, None])
             dh = minus_label_rows(back_to_hidden(p if slope is None else p * slope, w32), labels_i, picked)
             # The metrics' share: two counts per row from logits that exist anyway.
-            label, inside = labels_in(chunk(given_pad, i), 0, vocabulary)
+            label, inside = _in_chunk(chunk(given_pad, i), 0, vocabulary)
             target = tf.gather(z, label, batch_dims=1)[:, None]
             beaten = tf.reduce_sum(tf.cast(z > target, tf.float32), axis=1)
             tied = tf.reduce_sum(tf.cast((z == target) & (class_ids < label[:, None]), tf.float32), axis=1)
@@ -414,11 +421,8 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
     for start in range(0, vocabulary, _VOCAB_CHUNK):
         width = min(_VOCAB_CHUNK, vocabulary - start)
         with tf.control_dependencies(previous):  # one vocabulary chunk at a time
-            w_j = w32[start : start + width] if transposed else w32[:, start : start + width]
-            b_j = b32[start : start + width] if has_bias else b32
-        local = labels_b - start
-        inside = (local >= 0) & (local < width)
-        local = tf.where(inside, local, 0)
+            w_j, b_j = _classes(w32, b32, start, width, transposed, has_bias)
+        local, inside = _in_chunk(labels_b, start, width)
 
         def backward(i, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
             h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
@@ -461,11 +465,10 @@ def _part(gradient, start: int, width: int, class_axis: int, like):
     if gradient is None:
         return tf.zeros_like(like)
     if isinstance(gradient, tf.IndexedSlices) and class_axis == 0:  # the looked-up rows in the chunk
-        local = tf.cast(gradient.indices, tf.int32) - start
-        inside = (local >= 0) & (local < width)
+        local, inside = _in_chunk(tf.cast(gradient.indices, tf.int32), start, width)
         values = tf.cast(gradient.values, tf.float32)
         values = tf.where(tf.reshape(inside, [-1] + [1] * (values.shape.rank - 1)), values, 0.0)
-        return tf.tensor_scatter_nd_add(tf.zeros_like(like), tf.where(inside, local, 0)[:, None], values)
+        return tf.tensor_scatter_nd_add(tf.zeros_like(like), local[:, None], values)
     gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
     return gradient[start : start + width] if class_axis == 0 else gradient[:, start : start + width]
 
