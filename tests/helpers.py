@@ -1,9 +1,14 @@
 """Reference computations the tests compare effgrad against."""
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -124,25 +129,82 @@ def assert_summary_equals_numpy(summary, maps, classes):
             np.testing.assert_allclose(v, rows.var(0), rtol=1e-3, atol=1e-7)
 
 
-def in_fresh_processes(code: str, runs: dict, timeout: float = 300) -> dict:
-    """``{key: value}``: ``python -c code *argv`` per ``runs[key] = argv``, side by side, each printing
-    ``@@`` + JSON. A fresh process per measurement: allocator peaks then belong to it alone (the
-    processes share only the wall time)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
-    procs = {
-        key: subprocess.Popen(
-            [sys.executable, "-c", code, *map(str, argv)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+# A process that imported TensorFlow, Keras, keras_hub and effgrad, and started nothing: it forks one
+# child per run. A child is as fresh as a new interpreter for what the tests measure (TensorFlow's
+# context, devices and allocator start in it; TF_CPU_ALLOCATOR_USE_BFC is read then), without the
+# ~5 s of imports each (the suite started ~25 such processes: ~2 minutes of its CPU time).
+_ZYGOTE = textwrap.dedent(
+    """
+    import json, os, sys, traceback
+    import effgrad, keras, keras_hub, numpy, tensorflow  # noqa: F401  imported once, for every child
+    for line in sys.stdin:
+        request, pids = json.loads(line), []
+        for argv, out, err in request["runs"]:
+            pid = os.fork()
+            if pid:
+                pids.append(pid)
+                continue
+            status = 1
+            try:
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                for fd, path in ((1, out), (2, err)):
+                    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                sys.argv = ["-c", *argv]
+                exec(compile(request["code"], "<child>", "exec"), {"__name__": "__main__"})
+                status = 0
+            except SystemExit as stop:
+                status = stop.code if isinstance(stop.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]), flush=True)
+    """
+)
+_zygote: subprocess.Popen | None = None
+
+
+def _forking_process() -> subprocess.Popen:
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+        _zygote = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
-        for key, argv in runs.items()
-    }
+        atexit.register(_zygote.kill)
+    return _zygote
+
+
+def run_forked(code: str, runs: dict, timeout: float = 300) -> dict:
+    """``{key: (exit status, stdout, stderr)}``: ``code`` run with ``sys.argv[1:] = runs[key]``, side by
+    side, each in a fresh process forked from one that imported the libraries already."""
+    zygote = _forking_process()
+    with tempfile.TemporaryDirectory() as folder:
+        files = {key: (Path(folder, f"{i}.out"), Path(folder, f"{i}.err")) for i, key in enumerate(runs)}
+        request = [[list(map(str, argv)), str(files[key][0]), str(files[key][1])] for key, argv in runs.items()]
+        zygote.stdin.write(json.dumps({"code": code, "runs": request}) + "\n")
+        zygote.stdin.flush()
+        reply: list = []
+        reader = threading.Thread(target=lambda: reply.append(zygote.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not reply or not reply[0]:
+            zygote.kill()  # its children are stuck or it died: the next call starts another
+            raise AssertionError(f"fresh processes did not finish in {timeout} s")
+        return {
+            key: (status, out.read_text(), err.read_text())
+            for (key, (out, err)), status in zip(files.items(), json.loads(reply[0]))
+        }
+
+
+def in_fresh_processes(code: str, runs: dict, timeout: float = 300) -> dict:
+    """``{key: value}``: :func:`run_forked`, each process printing ``@@`` + JSON: allocator peaks then
+    belong to it alone (the processes share only the wall time)."""
     results = {}
-    for key, proc in procs.items():
-        out, err = proc.communicate(timeout=timeout)
+    for key, (status, out, err) in run_forked(code, runs, timeout).items():
         found = [json.loads(line[2:]) for line in out.splitlines() if line.startswith("@@")]
-        assert found, err[-3000:]
+        assert found and status == 0, err[-3000:]
         results[key] = found[0]
     return results

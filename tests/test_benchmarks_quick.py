@@ -3,15 +3,12 @@
 import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.__main__ import SUITES
-from helpers import png_pixels
+from helpers import png_pixels, run_forked
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,16 +42,15 @@ def test_the_groups_cover_every_suite():
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_quick_benchmarks_write_results_tables_and_plots(tmp_path, group):
     suites, plots = GROUPS[group]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--quick", "--results", str(tmp_path), *suites],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        # One thread per op, as in the test workers (conftest): the other worker has the other core.
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_NUM_INTRAOP_THREADS="1"),
+    # `python -m benchmarks run --quick ...` in a fresh process, on one thread per op as in the test
+    # workers (conftest): the other worker has the other core.
+    code = (
+        f"import os, runpy, sys; os.chdir({str(ROOT)!r}); sys.path.insert(0, {str(ROOT)!r}); "
+        "os.environ['TF_NUM_INTRAOP_THREADS'] = '1'; sys.argv = ['benchmarks', *sys.argv[1:]]; "
+        "runpy.run_module('benchmarks', run_name='__main__')"
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    status, _, err = run_forked(code, {group: ["run", "--quick", "--results", tmp_path, *suites]}, timeout=900)[group]
+    assert status == 0, err[-3000:]
     tables = [t for suite in suites for t in getattr(importlib.import_module(f"benchmarks.{suite}"), "TABLES", [suite])]
     for suite in tables:
         payload = json.loads((tmp_path / f"{suite}.json").read_text())

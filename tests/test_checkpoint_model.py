@@ -1,8 +1,5 @@
 """checkpoint_model: any functional model, cut where every path passes, equal to the plain model."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -12,6 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from helpers import in_fresh_processes
 from test_checkpoint import count_calls
 
 MODES = ["eager", "function", "xla"]
@@ -198,10 +196,7 @@ def _in_a_fresh_process(mode: str) -> list[int]:
         f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint_model as t; "
         f"print('@@' + json.dumps(t._segment_peaks({mode!r})))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
-    assert found, done.stderr[-3000:]
-    return found[0]
+    return in_fresh_processes(code, {mode: []}, timeout=600)[mode]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -2,13 +2,12 @@
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import effgrad
+from helpers import run_forked
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -54,10 +53,8 @@ def test_every_python_block_of_the_docs_runs_as_written(path, index, code, tmp_p
     if "MirroredStrategy" in code:
         # A second MirroredStrategy over the devices the test session's own uses aborts the
         # process (TF 2.21, see conftest): this block runs in a process of its own.
-        script = tmp_path / "block.py"
-        script.write_text(code)
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        status, _, err = run_forked(code, {"block": []})["block"]
+        assert status == 0, err[-3000:]
         return
     exec(compile(code, f"{path.name} block {index}", "exec"), {"__name__": "__docs__"})
 

@@ -1,10 +1,11 @@
 """effgrad.memory.measure sees what a call allocates."""
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
+
+from helpers import in_fresh_processes
 
 _KNOWN_ALLOCATIONS = textwrap.dedent(
     """
@@ -24,20 +25,15 @@ _KNOWN_ALLOCATIONS = textwrap.dedent(
 def test_peak_grows_with_a_known_allocation():
     # In a fresh process: in a test worker, threads left by earlier tests (tf.data prefetching)
     # allocate during the call too (seen: a 22 MiB peak whatever the allocation).
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run(
-        [sys.executable, "-c", _KNOWN_ALLOCATIONS], capture_output=True, text=True, env=env, timeout=120
-    )
-    found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
-    assert found, done.stderr[-3000:]
-    extras = [extra for extra, _, _, _ in found[0]]
+    reports = in_fresh_processes(_KNOWN_ALLOCATIONS, {"known": []}, timeout=120)["known"]
+    extras = [extra for extra, _, _, _ in reports]
     for n, extra in zip((1_000_000, 3_000_000, 5_000_000), extras):
         # The allocator may round a large buffer up (seen: 12 MB -> 16 MiB, 20 MB -> 32 MiB).
         assert 4 * n <= extra <= 2 * 4 * n + 2**20, extras
     assert extras[0] < extras[1] < extras[2], extras
-    assert all(peak >= extra for extra, peak, _, _ in found[0])
-    assert found[0][0][2] in ("CPU:0", "GPU:0")
-    assert 0 < found[0][0][3] < 1_000_000
+    assert all(peak >= extra for extra, peak, _, _ in reports)
+    assert reports[0][2] in ("CPU:0", "GPU:0")
+    assert 0 < reports[0][3] < 1_000_000
 
 
 def test_no_allocator_statistics_is_an_error_not_zero():
