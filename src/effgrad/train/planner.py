@@ -46,9 +46,9 @@ optimizer (built for the model first if it is not: training uses it next,
 and a clone's slots would stay on the device as long as TensorFlow keeps
 the traced steps that used them, 110 MiB on the GPT-2 LM); a configuration's
 peak is the resident state counted from shapes (model variables, optimizer
-variables, accumulators; an optimizer state planning built, as the allocator
-holds it) plus what a call added at its worst on the device
-allocator (:func:`effgrad.memory.measure`'s ``extra_bytes``: the batch,
+variables, accumulators, the batch; an optimizer state planning built, as the
+allocator holds it) plus what a call added at its worst on the device
+allocator (:func:`effgrad.memory.measure`'s ``extra_bytes``:
 activations, gradients), the largest of three calls: independent of whatever
 else the process allocated before. Planning changes nothing: every model
 variable (weights, BatchNorm statistics, dropout seed states), a
@@ -67,7 +67,6 @@ Trap:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import math
 import os
@@ -188,7 +187,7 @@ class _Point:
 
     micro_batches: int
     rows: int
-    peak_bytes: int  # as on the whole batch: what the rows left out take on the device is added
+    peak_bytes: int  # as on the whole batch: the whole batch is counted resident
     seconds: float
 
     @property
@@ -283,10 +282,17 @@ def _bytes(variables) -> int:
     return sum(n * tf.as_dtype(v.dtype).size for n, v in zip(sizes, unique))
 
 
-def _converted_bytes(arrays) -> int:
-    """What converting NumPy arrays to tensors takes on the device (a copy on an accelerator)."""
-    convert = lambda: tf.nest.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), arrays)  # noqa: E731
-    return memory.measure(convert).extra_bytes
+def _on_device(arrays):
+    """Allocator-owned copies of ``arrays``: a batch as training's input pipeline hands it over.
+
+    ``tf.convert_to_tensor`` copies a NumPy array on an accelerator, but on CPU it aliases one whose
+    buffer happens to be 64-byte aligned (where malloc put it: process history) and copies the
+    others, so a batch converted inside a measured call was in some peaks and not in others (a
+    4 MiB batch: its line point and the whole-batch step 4 MiB apart, either way). ``DeepCopy``
+    always copies; the copies are resident, counted by their bytes, and outside the measured calls.
+    """
+    copy = lambda a: None if a is None else tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a))  # noqa: E731
+    return tf.nest.map_structure(copy, arrays)
 
 
 def _micro_batch_choices(batch: int) -> list[int]:
@@ -305,7 +311,7 @@ class _Planner:
         self, model, loss, optimizer, x, y, sample_weight, strategy, budget, margin, options, verbose, built_bytes=0
     ):
         self.model, self.loss, self.options, self.verbose = model, loss, options, verbose
-        # Host copies: converting inside the measured call counts the batch in every peak.
+        # Host copies, made device tensors (_on_device) for each measurement and freed after it.
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else np.asarray(t), (x, y, sample_weight)
         )
@@ -357,10 +363,6 @@ class _Planner:
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
-
-    @functools.cached_property
-    def whole_converted_bytes(self) -> int:
-        return _converted_bytes((self.x, self.y, self.sample_weight))
 
     def kept_free(self) -> str:
         """``"X MiB kept free"``, and why when the reserve is more than half the margin."""
@@ -435,13 +437,8 @@ class _Planner:
         """
         step = self._step(micro_batches, segments, fused)
         whole = (self.x, self.y, self.sample_weight)
-        # Copies, not views: a tensor aliases a NumPy array that owns its memory on CPU, and copies a view.
-        part = (
-            whole
-            if rows == self.batch
-            else tf.nest.map_structure(lambda a: None if a is None else a[:rows].copy(), whole)
-        )
-        x, y, sample_weight = part
+        part = whole if rows == self.batch else tf.nest.map_structure(lambda a: None if a is None else a[:rows], whole)
+        x, y, sample_weight = _on_device(part)  # resident, as the whole batch is counted below
         run = lambda: step(x, y, sample_weight)["loss"]  # noqa: E731
         if not step.trace_count:
             run()  # the family's first call (on the whole batch, see line): traces, makes the accumulators
@@ -450,11 +447,9 @@ class _Planner:
             start = time.perf_counter()
             reports.append(memory.measure(run))
             times.append(time.perf_counter() - start)
-        # The batch is converted inside the call: what the rows left out would have taken (on an
-        # accelerator, their bytes; on CPU, nothing) is added.
-        left_out = 0 if part is whole else self.whole_converted_bytes - _converted_bytes(part)
         accumulators = self.accumulator_bytes if micro_batches > 1 else 0
-        peak = self.weights_bytes + self.state_bytes + accumulators + max(r.extra_bytes for r in reports) + left_out
+        resident = self.weights_bytes + self.state_bytes + accumulators + self.batch_bytes
+        peak = resident + max(r.extra_bytes for r in reports)
         return peak, min(times)
 
     def measure(
