@@ -3,6 +3,7 @@
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,10 +172,22 @@ def _forking_process() -> subprocess.Popen:
     if _zygote is None or _zygote.poll() is not None:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
         _zygote = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", _ZYGOTE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group, children included: killed together
         )
-        atexit.register(_zygote.kill)
+        atexit.register(_kill, _zygote)
     return _zygote
+
+
+def _kill(zygote: subprocess.Popen) -> None:
+    try:
+        os.killpg(zygote.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def run_forked(code: str, runs: dict, timeout: float = 300) -> dict:
@@ -191,7 +204,7 @@ def run_forked(code: str, runs: dict, timeout: float = 300) -> dict:
         reader.start()
         reader.join(timeout)
         if not reply or not reply[0]:
-            zygote.kill()  # its children are stuck or it died: the next call starts another
+            _kill(zygote)  # its children are stuck or it died: the next call starts another
             raise AssertionError(f"fresh processes did not finish in {timeout} s")
         return {
             key: (status, out.read_text(), err.read_text())
