@@ -1,8 +1,5 @@
 """checkpoint_model: any functional model, cut where every path passes, equal to the plain model."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -12,6 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from helpers import in_fresh_processes
 from test_checkpoint import count_calls
 
 MODES = ["eager", "function", "xla"]
@@ -193,16 +191,12 @@ def _segment_peaks(mode: str) -> list[int]:
 def _in_a_fresh_process(mode: str) -> list[int]:
     # Peaks depend on what the process ran before (XLA:CPU's buffers: measured 32.0 / 12.3 / 8.3 MiB
     # alone, 20.3 / 16.3 / 5.8 MiB in a pytest-xdist worker after other tests; a test's leftover
-    # threads add to any peak). A fresh process is repeatable. (A new interpreter, not one forked from
-    # tests/helpers.py's: forked, the eager peaks came out 13.1 / 12.0 MiB once, where 12.5 / 9.3 are the rule.)
+    # threads add to any peak). A fresh process is repeatable.
     code = (
         f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint_model as t; "
         f"print('@@' + json.dumps(t._segment_peaks({mode!r})))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    found = [json.loads(line[2:]) for line in done.stdout.splitlines() if line.startswith("@@")]
-    assert found, done.stderr[-3000:]
-    return found[0]
+    return in_fresh_processes(code, {mode: []}, timeout=600)[mode]
 
 
 @pytest.mark.parametrize("mode", MODES)
