@@ -311,7 +311,7 @@ class _Planner:
         self, model, loss, optimizer, x, y, sample_weight, strategy, budget, margin, options, verbose, built_bytes=0
     ):
         self.model, self.loss, self.options, self.verbose = model, loss, options, verbose
-        # Host copies, made device tensors (_on_device) for each measurement and freed after it.
+        # Host arrays, copied to the device (_on_device) for each measurement and freed after it.
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else np.asarray(t), (x, y, sample_weight)
         )
