@@ -163,6 +163,14 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 # only once backprop reaches this block.
                 barrier = _compat.optimization_barrier(*tensors, *[g for g in output_grads if g is not None])
                 grads = recompute_and_differentiate(list(barrier[: len(tensors)]))
+            if not tf.executing_eagerly() and variables:
+                # The inputs' gradients only once the weights' exist: they start the previous block's
+                # recompute, and an executor that runs ready ops first in, first out (one inter-op
+                # thread) would otherwise leave this block's weight gradients, and the recomputed
+                # activations they read, for later: every block's alive at once (measured, 16 residual
+                # Dense blocks in 4 segments: 13.5-17.0 MiB, plain 15.8, with this 5.8).
+                with tf.control_dependencies(grads[len(watched) :]):
+                    grads = [tf.identity(g) for g in grads[: len(watched)]] + grads[len(watched) :]
             watched_grads = iter(grads[: len(watched)])
             input_grads = [next(watched_grads) if _differentiable(t) else None for t in tensors]
             return input_grads, grads[len(watched) :]
