@@ -6,7 +6,8 @@ both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
 
 * ``probe``: the plain step's peak and time, and the floor (the smallest peak any configuration
   reaches: one row per micro-batch, with and without checkpointing);
-* for budgets 90%, 70% and 50% of the way from the floor to the plain peak:
+* for budgets 90%, 70% and 50% of the way from the floor to the plain peak (and, where the loss is
+  fused, a roomy one: 1.2x the unfused plain step's peak, where the faster unfused step fits):
   ``effgrad.plan`` (its time, choice and measured peak; its time in plain steps; the chosen step's
   time against the fastest measured one; every prediction it measured afterwards, as
   ``predicted / measured - 1``, measuring here those it ruled out), and the search users do by hand: a new step with
@@ -110,7 +111,10 @@ def child(config: dict) -> dict:
         if segments:
             smallest.append(probe.measure(_rows(x), max(segments)))
         floor = min(c.measured_bytes for c in smallest)
-        return {"plain": plain.measured_bytes, "plain_s": plain.seconds, "floor": floor, "seconds": plain.seconds}
+        # The loss fused (the LM): the unfused plain step, for a budget where its logits fit.
+        unfused = probe.measure(1, None, fused_loss=False) if probe.logits_per_row else None
+        return {"plain": plain.measured_bytes, "plain_s": plain.seconds, "floor": floor, "seconds": plain.seconds,
+                "unfused": unfused and unfused.measured_bytes, "unfused_s": unfused and unfused.seconds}  # fmt: skip
     if role == "by hand":  # the plan's configuration given by hand: the first step is its trace and a call
         options = dict(config["options"])
         segments = options.pop("segments")
@@ -151,7 +155,10 @@ def child(config: dict) -> dict:
     for c in plan.table:
         if c.predicted_bytes is None or (c.segments is not None and c.measured_bytes is None):
             continue  # checkpointed configurations are measured only when the plan tries them
-        measured = c.measured_bytes or probe.measure(c.micro_batches, c.segments, c.fused_update).measured_bytes
+        measured = (
+            c.measured_bytes
+            or probe.measure(c.micro_batches, c.segments, c.fused_update, fused_loss=c.fused_loss).measured_bytes
+        )
         if measured:
             errors.append(c.predicted_bytes / measured - 1)
     probe.release()
@@ -182,8 +189,10 @@ def run(quick: bool = False) -> dict:
     rows = []
     for model in models:
         probe = common.run_isolated(MODULE, {"model": model, "role": "probe"}, timeout=3600)
-        for fraction in fractions:
-            budget = int(probe["floor"] + fraction * (probe["plain"] - probe["floor"]))
+        budgets = [(f"{f:.1f}", int(probe["floor"] + f * (probe["plain"] - probe["floor"]))) for f in fractions]
+        if probe.get("unfused") and not quick:  # roomy: 1.2x the unfused plain step (the logits made) fits
+            budgets.append(("roomy", int(1.2 * probe["unfused"])))
+        for fraction, budget in budgets:
             planned = common.run_isolated(MODULE, {"model": model, "role": "plan", "budget": budget}, timeout=3600)
             hand = {}
             if "options" in planned and not quick:  # quick: the plan's code path only
@@ -225,7 +234,8 @@ def run(quick: bool = False) -> dict:
                 }
             )
     title = (
-        "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak; planning time vs a "
+        "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak, and on the LM a roomy "
+        "one (1.2x the unfused plain step's peak: the logits fit); planning time vs a "
         "doubling search of micro_batches that traces and runs a step per try; how much later the first trained step "
         "of build_train_step(micro_batches='auto') comes than the chosen configuration's built by hand; "
         "predictions vs measurements; the "
@@ -233,7 +243,7 @@ def run(quick: bool = False) -> dict:
     )
     columns = [
         ("model", "model", ""),
-        ("fraction", "of the way", ".1f"),
+        ("fraction", "of the way", ""),
         ("budget_mib", "budget MiB", ",.1f"),
         ("plain_mib", "plain MiB", ",.1f"),
         ("floor_mib", "floor MiB", ",.1f"),

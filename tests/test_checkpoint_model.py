@@ -197,8 +197,8 @@ def _in_a_fresh_process(mode: str) -> list[int]:
     # threads add to any peak). A fresh process is repeatable.
     threads = "import tensorflow as tf; tf.config.threading.set_inter_op_parallelism_threads(1); "
     code = (
-        f"import sys, json; {threads if mode == 'one thread' else ''}sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "import test_checkpoint_model as t; "
+        f"import sys, json; {threads if mode == 'one thread' else ''}"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint_model as t; "
         f"print('@@' + json.dumps(t._segment_peaks({'function' if mode == 'one thread' else mode!r})))"
     )
     return in_fresh_processes(code, {mode: []}, timeout=600)[mode]

@@ -512,6 +512,10 @@ class Head:
         shape = self.kernel().shape
         return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
 
+    def positions(self, hint: tuple[int, int]) -> int:
+        """Rows of the logits of a batch of ``batch_shape`` ``hint`` (``(rows, largest other axis)``)."""
+        return hint[0] * math.prod(hint[1] if d is None else d for d in self.trunk.output.shape[1:-1])
+
     def kernel(self):
         layer = self.layer
         if isinstance(layer, keras.layers.Dense):
@@ -592,7 +596,7 @@ def decide(
             head, why_not = None, head
         elif option == "auto" and hint is not None:
             depth, classes = head.sizes
-            positions = hint[0] * math.prod(hint[1] if d is None else d for d in head.trunk.output.shape[1:-1])
+            positions = head.positions(hint)
             if positions * classes <= CHUNK_ELEMENTS:
                 why_not = (
                     f"the batch's logits ({positions:,} x {classes:,}) fit in one chunk: nothing to save; "

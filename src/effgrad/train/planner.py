@@ -162,6 +162,7 @@ class Candidate:
     micro_batches: int
     segments: int | None = None
     fused_update: bool = False
+    fused_loss: bool | None = None  # False: the loss the step would fuse ("auto") is not, the logits are made
     predicted_bytes: int | None = None
     measured_bytes: int | None = None
     seconds: float | None = None
@@ -174,11 +175,17 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return self.micro_batches, self.segments, self.fused_update
+        return self.micro_batches, self.segments, self.fused_update, self.fused_loss
+
+    @property
+    def family(self) -> tuple:
+        """What one trace serves: micro-batched steps share it whatever their number."""
+        return self.micro_batches > 1, self.segments, self.fused_update, self.fused_loss
 
     def describe(self) -> str:
         fused = ", fused_update" if self.fused_update else ""
-        return f"micro_batches={self.micro_batches}, segments={self.segments or '-'}{fused}"
+        logits = ", fused_loss=False" if self.fused_loss is False else ""
+        return f"micro_batches={self.micro_batches}, segments={self.segments or '-'}{fused}{logits}"
 
 
 @dataclasses.dataclass
@@ -203,6 +210,9 @@ class MemoryPlan:
         micro_batches: Micro-batches to split every batch into.
         segments: ``checkpoint_model`` segments, or ``None`` (no checkpointing).
         fused_update: Whether each update runs inside backprop (one micro-batch).
+        fused_loss: ``False`` when the loss the step would fuse with the model's
+            projection (``fused_loss="auto"``) is faster unfused and its logits
+            fit; else ``None`` (as the step options say).
         peak_bytes: Measured peak of the chosen configuration, with ``left_bytes``.
         seconds_per_step: Measured time of one step with it.
         budget_bytes: The budget, in bytes.
@@ -238,6 +248,7 @@ class MemoryPlan:
     planning_seconds: float
     batch_size: int
     fused_update: bool = False
+    fused_loss: bool | None = None
     floor_bytes: int = 0
     left_bytes: int = 0
     reserve_bytes: int = 0
@@ -252,7 +263,8 @@ class MemoryPlan:
     @property
     def step_options(self) -> dict:
         """The :func:`effgrad.build_train_step` options of the chosen configuration."""
-        return {"micro_batches": self.micro_batches, "fused_update": self.fused_update}
+        options = {"micro_batches": self.micro_batches, "fused_update": self.fused_update}
+        return options if self.fused_loss is None else {**options, "fused_loss": self.fused_loss}
 
     def __str__(self) -> str:
         mib = lambda b: "-" if b is None else f"{b / _MIB:,.1f}"  # noqa: E731
@@ -261,16 +273,17 @@ class MemoryPlan:
             f"must leave {mib(self.reserve_bytes)} MiB of it free, predictions {self.margin / 2:.0%} more), floor "
             f"{mib(self.floor_bytes)} MiB, planned in {self.planning_seconds:.1f} s"
             + (f", {mib(self.left_bytes)} MiB left by planning counted in" if self.left_bytes else ""),
-            f"{'micro_batches':>13} {'segments':>8} {'fused':>5} {'predicted MiB':>13} {'measured MiB':>12} "
-            f"{'s/step':>8}  verdict",
+            f"{'micro_batches':>13} {'segments':>8} {'fused':>5} {'logits':>6} {'predicted MiB':>13} "
+            f"{'measured MiB':>12} {'s/step':>8}  verdict",
         ]
         for c in self.table:
-            chosen = c.key == (self.micro_batches, self.segments, self.fused_update)
+            chosen = c.key == (self.micro_batches, self.segments, self.fused_update, self.fused_loss)
             seconds = "-" if c.seconds is None else f"{c.seconds:.3f}"
             verdict = "<- chosen" if chosen else c.note or {True: "fits", False: "over budget", None: "?"}[c.fits]
             lines.append(
                 f"{c.micro_batches:>13} {str(c.segments or '-'):>8} {'yes' if c.fused_update else '-':>5} "
-                f"{mib(c.predicted_bytes):>13} {mib(c.measured_bytes):>12} {seconds:>8}  {verdict}"
+                f"{'made' if c.fused_loss is False else '-':>6} {mib(c.predicted_bytes):>13} "
+                f"{mib(c.measured_bytes):>12} {seconds:>8}  {verdict}"
             )
         return "\n".join(lines)
 
@@ -344,10 +357,16 @@ class _Planner:
         # Measured peaks must leave this free (see the module's docstring), predictions half the margin more.
         # A fused loss makes its kernel's gradient after the backward pass, where it measured no placement
         # outliers: that variable is not the one whose gradient may land in a chunk twice its size.
-        later = _kernel_made_later(model, loss, options, self.x, self.y)
+        head = _fused_head(model, loss, options, self.x, self.y)
+        later = None if head is None else head.kernel()
         self.placed_bytes = 4 * max([int(np.prod(v.shape)) for v in trained if v is not later] or [0])
         self.reserve = max(margin / 2 * budget, self.placed_bytes)
         self.limit = budget - self.reserve
+        # Where "auto" fuses the loss, the unfused step (a third fewer of the head's matmuls) is faster
+        # where its logits fit: float32 logits of one row, for its prediction (0: not a knob here).
+        self.logits_per_row = 0
+        if head is not None and options.get("fused_loss", "auto") == "auto":
+            self.logits_per_row = 4 * head.sizes[1] * head.positions(batch_shape(self.x)) // self.batch
         self.batch_bytes = sum(a.nbytes for a in tf.nest.flatten((self.x, self.y, self.sample_weight)) if a is not None)
         # Everything a candidate step may write, restored at the end: the model's variables and
         # those of a LossScale object the caller passed (its scale and growth counter).
@@ -363,6 +382,13 @@ class _Planner:
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
+
+    def limit_of(self, c: Candidate) -> float:
+        """What ``c``'s measured peak must stay within: unfused, the kernel's gradient is made during the
+        backward pass, so it is the largest variable the allocator's placement can add (see above)."""
+        if c.fused_loss is False:
+            return self.budget - max(self.reserve, self.largest_bytes)
+        return self.limit
 
     def kept_free(self) -> str:
         """``"X MiB kept free"``, and why when the reserve is more than half the margin."""
@@ -404,21 +430,23 @@ class _Planner:
                 self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
-    def _step(self, micro_batches: int, segments: int | None, fused: bool) -> TrainStep:
-        """The family's one step: micro-batched ones share a trace whatever their number.
+    def _step(self, c: Candidate) -> TrainStep:
+        """``c``'s family's one step: micro-batched ones share a trace whatever their number.
 
         Only the current family's accumulators are filled: another's would sit on the device meanwhile
         (its step is kept, emptied: training may take the chosen one, trace and all).
         """
-        family = (micro_batches > 1, segments, fused)
+        family = c.family
         for other, step in self.steps.items():
             if other != family:
                 accumulate.free_accumulators(step._accumulators or [])
         if family not in self.steps:
-            options = {**self.options, "micro_batches": max(micro_batches, 1), "strategy": self.strategy}
-            if micro_batches == 1:
-                options["fused_update"] = fused
-            step = TrainStep(self.model_for(segments), self.loss, self.optimizer, **options)
+            options = {**self.options, "micro_batches": max(c.micro_batches, 1), "strategy": self.strategy}
+            if c.micro_batches == 1:
+                options["fused_update"] = c.fused_update
+            if c.fused_loss is not None:
+                options["fused_loss"] = c.fused_loss
+            step = TrainStep(self.model_for(c.segments), self.loss, self.optimizer, **options)
             # What the step made for itself (a loss scale, the noise-scale statistics) is restored too.
             own = [v for part in (step.loss_scale, step.noise_scale) if isinstance(part, tf.Module)
                    for v in part.variables if all(v is not known for known in self.state)]  # fmt: skip
@@ -426,16 +454,16 @@ class _Planner:
             self.snapshot += [v.numpy() for v in own]
             self.steps[family] = step
         step = self.steps[family]
-        step.micro_batches = micro_batches
+        step.micro_batches = c.micro_batches
         return step
 
-    def _run(self, micro_batches: int, segments: int | None, fused: bool, calls: int, rows: int) -> tuple[int, float]:
+    def _run(self, c: Candidate, calls: int, rows: int) -> tuple[int, float]:
         """``(peak, seconds)`` of a step on the batch's first ``rows`` rows, the peak as on the whole batch.
 
         The peak varies from call to call with how the executor's threads interleave frees and
         allocations: the largest of ``calls`` calls, and the fastest of their times.
         """
-        step = self._step(micro_batches, segments, fused)
+        step = self._step(c)
         whole = (self.x, self.y, self.sample_weight)
         part = whole if rows == self.batch else tf.nest.map_structure(lambda a: None if a is None else a[:rows], whole)
         x, y, sample_weight = _on_device(part)  # resident, as the whole batch is counted below
@@ -447,20 +475,25 @@ class _Planner:
             start = time.perf_counter()
             reports.append(memory.measure(run))
             times.append(time.perf_counter() - start)
-        accumulators = self.accumulator_bytes if micro_batches > 1 else 0
+        accumulators = self.accumulator_bytes if c.micro_batches > 1 else 0
         resident = self.weights_bytes + self.state_bytes + accumulators + self.batch_bytes
         peak = resident + max(r.extra_bytes for r in reports)
         return peak, min(times)
 
     def measure(
-        self, micro_batches: int, segments: int | None = None, fused: bool = False, calls: int = 3
+        self,
+        micro_batches: int,
+        segments: int | None = None,
+        fused: bool = False,
+        calls: int = 3,
+        fused_loss: bool | None = None,
     ) -> Candidate:
-        candidate = self.candidate(micro_batches, segments, fused)
+        candidate = self.candidate(micro_batches, segments, fused, fused_loss)
         if candidate.measured_bytes is not None or candidate.note == "out of memory":
             return candidate
         try:
-            candidate.measured_bytes, candidate.seconds = self._run(micro_batches, segments, fused, calls, self.batch)
-            candidate.fits = candidate.measured_bytes <= self.limit
+            candidate.measured_bytes, candidate.seconds = self._run(candidate, calls, self.batch)
+            candidate.fits = candidate.measured_bytes <= self.limit_of(candidate)
             if not candidate.fits:
                 candidate.note = "over budget (measured)"
         except tf.errors.ResourceExhaustedError:  # out of memory on a real accelerator: does not fit
@@ -481,7 +514,7 @@ class _Planner:
         if any((p.micro_batches, p.rows) == (micro_batches, rows) for p in self.points.get(segments, [])):
             return True
         try:
-            peak, seconds = self._run(micro_batches, segments, False, 2, rows)
+            peak, seconds = self._run(Candidate(micro_batches, segments), 2, rows)
         except tf.errors.ResourceExhaustedError:
             return False
         point = _Point(micro_batches, rows, peak, seconds)
@@ -493,10 +526,12 @@ class _Planner:
             )
         return True
 
-    def candidate(self, micro_batches: int, segments: int | None = None, fused: bool = False) -> Candidate:
-        key = (micro_batches, segments, fused)
+    def candidate(
+        self, micro_batches: int, segments: int | None = None, fused: bool = False, fused_loss: bool | None = None
+    ) -> Candidate:
+        key = (micro_batches, segments, fused, fused_loss)
         if key not in self.candidates:
-            self.candidates[key] = Candidate(micro_batches, segments, fused)
+            self.candidates[key] = Candidate(micro_batches, segments, fused, fused_loss)
         return self.candidates[key]
 
     def restore(self) -> None:
@@ -513,7 +548,7 @@ class _Planner:
         """
         kept = None
         if keep is not None:
-            kept = self.steps.pop((keep.micro_batches > 1, keep.segments, keep.fused_update), None)
+            kept = self.steps.pop(keep.family, None)
         if kept is not None:
             kept.micro_batches = keep.micro_batches
             kept.forget_calls()  # planning's calls are not training's
@@ -555,7 +590,7 @@ class _Planner:
     def _points(self, segments: int | None) -> list[_Point]:
         """The family's line points and measured micro-batched candidates (on the whole batch)."""
         whole = [_Point(c.micro_batches, self.batch, c.measured_bytes, c.seconds) for c in self.candidates.values()
-                 if c.segments == segments and c.micro_batches > 1 and c.measured_bytes is not None]  # fmt: skip
+                 if c.family == (True, segments, False, None) and c.measured_bytes is not None]  # fmt: skip
         return self.points.get(segments, []) + whole
 
     def fitted(self, segments: int | None) -> tuple[float, float]:
@@ -623,7 +658,7 @@ class _Planner:
                     if c.measured_bytes is None:
                         c.predicted_bytes = self.predict(line, k, fused)
             return [c for c in self.candidates.values() if c.segments == segments and c.measured_bytes is None
-                    and (c.micro_batches > 1) == micro and not c.note
+                    and (c.micro_batches > 1) == micro and c.fused_loss is None and not c.note
                     and c.predicted_bytes <= allowed[c.micro_batches]]  # fmt: skip
 
         tries = max(most - len(fitting(micro=False)), 1)
@@ -655,6 +690,35 @@ class _Planner:
                 c.fits = False if over else c.fits
                 c.note = "predicted over budget" if over else "not measured: fewer micro-batches fit"
 
+    def unfused(self) -> None:
+        """Measures the loss unfused (the logits made), with the fewest micro-batches predicted to fit.
+
+        The fused loss makes the logits twice (a third more of the head's matmuls: the GPT-2 LM's step
+        1.13-1.28x slower), so where the budget leaves room for them the unfused step is faster. Its
+        peak is predicted as the fused step's with as many micro-batches plus 1.5 float32 copies of a
+        micro-batch's logits (measured here at one micro-batch: 1.6 on the GPT-2 LM at T=256, 1.2 on
+        a Dense head to 20,000 classes), within half the margin. Only micro-batch counts
+        up to the best fused one's are tried (more would be slower), without checkpointing, and at most
+        two, since each new family is a trace.
+        """
+        best = self.best()
+        if not self.logits_per_row or best is None:
+            return
+        tries = 2
+        for k in [k for k in _micro_batch_choices(self.batch) if self.fewest <= k <= best.micro_batches]:
+            fused = self.candidates.get((k, None, False, None))
+            base = None if fused is None else fused.peak_bytes
+            if base is None or not tries:
+                continue
+            c = self.candidate(k, None, False, fused_loss=False)
+            c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, k))
+            if c.predicted_bytes > self.limit_of(c) - self.margin / 2 * self.budget:
+                c.fits, c.note = False, "predicted over budget"
+                continue
+            tries -= 1
+            if self.measure(k, fused_loss=False).fits:
+                return
+
     def best(self) -> Candidate | None:
         """The simplest fitting configuration (fewest micro-batches, no recompute) as fast as the fastest.
 
@@ -667,7 +731,9 @@ class _Planner:
             return None
         fastest = min(c.seconds for c in fitting)
         close = [c for c in fitting if same_speed(c.seconds, fastest)]
-        return min(close, key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update, c.seconds))
+        # As fast: the fused loss (its logits never made) before the unfused one.
+        return min(close, key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update, c.fused_loss is False,
+                                         c.seconds))  # fmt: skip
 
 
 def build_optimizer(optimizer, model, strategy=None) -> int:
@@ -683,8 +749,8 @@ def build_optimizer(optimizer, model, strategy=None) -> int:
     return memory.current_bytes() - before
 
 
-def _kernel_made_later(model, loss, options, x, y):
-    """The kernel whose gradient the step's fused loss makes after the backward pass, or None.
+def _fused_head(model, loss, options, x, y) -> fused_loss.Head | None:
+    """The projection the step fuses its loss with (making its kernel's gradient after the backward pass).
 
     Decided as the step decides at its first trace (:func:`effgrad.train.fused_loss.decide`), without one.
     """
@@ -693,7 +759,7 @@ def _kernel_made_later(model, loss, options, x, y):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the step says it again, at its trace, where users see it
         head, _ = fused_loss.decide(settings, objective, model, batch_shape(x), private=settings.private, y=y)
-    return None if head is None else head.kernel()
+    return head
 
 
 def _say(line: str) -> None:
@@ -701,10 +767,10 @@ def _say(line: str) -> None:
     print(f"effgrad plan: {line}", file=sys.stderr, flush=True)
 
 
-def count_left(candidates, left: int, limit: float) -> None:
-    """Marks the measured candidates that no longer fit ``limit`` next to ``left`` bytes planning left."""
+def count_left(candidates, left: int, limit_of) -> None:
+    """Marks the measured candidates that no longer fit ``limit_of(c)`` next to ``left`` bytes planning left."""
     for c in candidates:
-        if c.fits and c.measured_bytes + left > limit:
+        if c.fits and c.measured_bytes + left > limit_of(c):
             c.fits, c.note = False, f"over budget with the {left / _MIB:,.1f} MiB planning left"
 
 
@@ -839,7 +905,8 @@ def _plan(
                 found = planner.best()
                 if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
                     break
-            best = planner.best()
+        planner.unfused()
+        best = planner.best()
     finally:
         planner.restore()
         kept = planner.release(keep=best if keep_step else None)
@@ -853,16 +920,18 @@ def _plan(
         left -= planner.accumulator_bytes
     left = max(0, left)
     if left:
-        count_left(planner.candidates.values(), left, planner.limit)
+        count_left(planner.candidates.values(), left, planner.limit_of)
         chosen, best = best, planner.best()
         if kept is not None and best is not chosen:
-            family = (chosen.micro_batches > 1, chosen.segments, chosen.fused_update)
-            if best is not None and (best.micro_batches > 1, best.segments, best.fused_update) == family:
+            if best is not None and best.family == chosen.family:
                 kept.micro_batches = best.micro_batches  # the same trace and accumulators: k is a runtime value
             else:  # not the step training will run
                 accumulate.free_accumulators(kept._accumulators or [])
                 kept = None
-    table = sorted(planner.candidates.values(), key=lambda c: (c.segments or 0, c.micro_batches, c.fused_update))
+    table = sorted(
+        planner.candidates.values(),
+        key=lambda c: (c.fused_loss is False, c.segments or 0, c.micro_batches, c.fused_update),
+    )
     if best is None:
         known = [c for c in table if c.peak_bytes is not None]
         if not known:
@@ -899,7 +968,8 @@ def _plan(
         )
     for c in table:
         if c.fits and c is not best and not c.note:
-            c.note = "fits, slower"
+            noise = same_speed(c.seconds, best.seconds)  # as fast: best() keeps the simpler one
+            c.note = "fits, as fast within timing noise" if noise else "fits, slower"
     peak, seconds = best.measured_bytes + left, time.perf_counter() - started
     if verbose:
         _say(f"chose {best.describe()}: {peak / _MIB:,.1f} MiB, {best.seconds:.3f} s/step (planned in {seconds:.1f} s)")
@@ -907,6 +977,7 @@ def _plan(
         micro_batches=best.micro_batches,
         segments=best.segments,
         fused_update=best.fused_update,
+        fused_loss=best.fused_loss,
         peak_bytes=peak,
         seconds_per_step=best.seconds,
         budget_bytes=budget_bytes,
@@ -916,7 +987,7 @@ def _plan(
         batch_size=planner.batch,
         floor_bytes=floor,
         left_bytes=left,
-        reserve_bytes=int(planner.reserve),
+        reserve_bytes=int(planner.budget - planner.limit_of(best)),
         model=planner.model_for(best.segments),
         step=kept,
     )
