@@ -164,7 +164,9 @@ def child(config: dict) -> dict:
     probe.release()
     fitting = [c.seconds for c in plan.table if c.fits and c.seconds]
     return {
-        "chosen": f"k={plan.micro_batches}, seg={plan.segments or '-'}" + (", fused" if plan.fused_update else ""),
+        "chosen": f"k={plan.micro_batches}, seg={plan.segments or '-'}"
+        + (", fused" if plan.fused_update else "")
+        + (", unfused loss" if plan.fused_loss is False else ""),
         "peak": plan.peak_bytes,
         "step_s": plan.seconds_per_step,
         "plan_s": plan_s,

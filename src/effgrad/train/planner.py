@@ -17,6 +17,8 @@ Algorithm::
                                 backprop) where weights outweigh activations
         checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
                                 recompute fits with fewer than 4 micro-batches
+        unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
+                                step plus 1.5 copies of a micro-batch's logits; faster where it fits
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
     (TensorFlow keeps traced graphs and some of their buffers; training runs next to them)
