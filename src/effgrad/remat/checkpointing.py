@@ -168,7 +168,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 # recompute, and an executor that runs ready ops first in, first out (one inter-op
                 # thread) would otherwise leave this block's weight gradients, and the recomputed
                 # activations they read, for later: every block's alive at once (measured, 16 residual
-                # Dense blocks in 4 segments: 13.5-17.0 MiB, plain 15.8, with this 5.8).
+                # Dense blocks in 4 segments: 13.5-17.0 MiB, plain 15.8, with this 5.3).
                 with tf.control_dependencies(grads[len(watched) :]):
                     grads = [tf.identity(g) for g in grads[: len(watched)]] + grads[len(watched) :]
             watched_grads = iter(grads[: len(watched)])

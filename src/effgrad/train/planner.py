@@ -708,9 +708,11 @@ class _Planner:
             return
         tries = 2
         for k in [k for k in _micro_batch_choices(self.batch) if self.fewest <= k <= best.micro_batches]:
+            if not tries:
+                return
             fused = self.candidates.get((k, None, False, None))
             base = None if fused is None else fused.peak_bytes
-            if base is None or not tries:
+            if base is None:
                 continue
             c = self.candidate(k, None, False, fused_loss=False)
             c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, k))
