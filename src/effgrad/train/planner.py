@@ -48,8 +48,8 @@ optimizer (built for the model first if it is not: training uses it next,
 and a clone's slots would stay on the device as long as TensorFlow keeps
 the traced steps that used them, 110 MiB on the GPT-2 LM); a configuration's
 peak is the resident state counted from shapes (model variables, optimizer
-variables, accumulators, the batch; an optimizer state planning built, as the
-allocator holds it) plus what a call added at its worst on the device
+variables, accumulators, the batch; an optimizer state planning built and each
+family's accumulators, as the allocator holds them) plus what a call added at its worst on the device
 allocator (:func:`effgrad.memory.measure`'s ``extra_bytes``:
 activations, gradients), the largest of three calls: independent of whatever
 else the process allocated before. Planning changes nothing: every model
@@ -350,11 +350,12 @@ class _Planner:
         # What the allocator holds for the optimizer's state when planning built it, not only its shapes:
         # a buffer placed in a free chunk less than twice its size takes the whole chunk (measured: Adam's
         # 110.7 MiB of GPT-2 LM slots held 133.6 MiB), and training keeps the state as it was allocated.
-        # (Accumulators are made again for training, where another history may place them better: a
-        # probe made here held 75.2 MiB for 55.4, training's 61.6; counting the probe's cost 5x planning
-        # time on the GPT-2 LM for budgets it then met with 70 MiB to spare.)
         self.state_bytes = max(_bytes(self.optimizer.variables), built_bytes)
         self.accumulator_bytes = 4 * sum(int(np.prod(v.shape)) for v in trained)
+        # The same for each micro-batched family's accumulators, made when its step is (training takes the
+        # chosen family's as they are): the GPT-2 LM's 55.4 MiB held 75.2 in a fresh process, and the
+        # plans that counted shapes went over at fit level, by up to 15 MiB (k=2, checkpointed).
+        self.held: dict[tuple, int] = {}
         self.largest_bytes = 4 * max(int(np.prod(v.shape)) for v in trained)
         # Measured peaks must leave this free (see the module's docstring), predictions half the margin more.
         # A fused loss makes its kernel's gradient after the backward pass, where it measured no placement
@@ -391,6 +392,10 @@ class _Planner:
         if c.fused_loss is False:
             return self.budget - max(self.reserve, self.largest_bytes)
         return self.limit
+
+    def accumulators_held(self, family: tuple) -> int:
+        """What a micro-batched family's accumulators hold on the allocator: as allocated, at least their shapes."""
+        return max(self.accumulator_bytes, self.held.get(family, 0))
 
     def kept_free(self) -> str:
         """``"X MiB kept free"``, and why when the reserve is more than half the margin."""
@@ -448,7 +453,10 @@ class _Planner:
                 options["fused_update"] = c.fused_update
             if c.fused_loss is not None:
                 options["fused_loss"] = c.fused_loss
-            step = TrainStep(self.model_for(c.segments), self.loss, self.optimizer, **options)
+            model = self.model_for(c.segments)
+            before = memory.current_bytes()
+            step = TrainStep(model, self.loss, self.optimizer, **options)  # makes its accumulators
+            self.held[family] = memory.current_bytes() - before
             # What the step made for itself (a loss scale, the noise-scale statistics) is restored too.
             own = [v for part in (step.loss_scale, step.noise_scale) if isinstance(part, tf.Module)
                    for v in part.variables if all(v is not known for known in self.state)]  # fmt: skip
@@ -477,7 +485,7 @@ class _Planner:
             start = time.perf_counter()
             reports.append(memory.measure(run))
             times.append(time.perf_counter() - start)
-        accumulators = self.accumulator_bytes if c.micro_batches > 1 else 0
+        accumulators = self.accumulators_held(c.family) if c.micro_batches > 1 else 0
         resident = self.weights_bytes + self.state_bytes + accumulators + self.batch_bytes
         peak = resident + max(r.extra_bytes for r in reports)
         return peak, min(times)
@@ -921,7 +929,7 @@ def _plan(
     # beyond that is left over.
     left = memory.current_bytes() - resident
     if kept is not None and any(int(tf.size(a)) for a in kept._accumulators or []):
-        left -= planner.accumulator_bytes
+        left -= planner.accumulators_held(best.family)
     left = max(0, left)
     if left:
         count_left(planner.candidates.values(), left, planner.limit_of)
