@@ -313,8 +313,8 @@ def test_only_micro_batch_counts_predicted_as_fast_as_a_measured_fit_are_measure
     assert skipped and all(c.note.startswith("not measured: predicted") for c in skipped), fake.candidates
 
 
-def test_a_plain_step_predicted_well_within_is_measured_before_more_micro_batches():
-    # A peak of 100 + 15 per row: the plain step (580) is predicted well within the 1000-byte budget,
+def test_a_plain_step_predicted_to_fit_is_measured_before_more_micro_batches():
+    # A peak of 100 + 15 per row: the plain step (580) is predicted within the 1000-byte budget,
     # so it is measured right after the line (k = 4 and 16), and k = 2, predicted slower than it, is not.
     fake = _fake_planner(lambda rows: 100 + 15 * rows, lambda k, rows: 1.0 + 0.2 * k, sub_batches=False)
     fake.explore(None)
