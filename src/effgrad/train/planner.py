@@ -49,9 +49,10 @@ optimizer (built for the model first if it is not: training uses it next,
 and a clone's slots would stay on the device as long as TensorFlow keeps
 the traced steps that used them, 110 MiB on the GPT-2 LM); a configuration's
 peak is the resident state counted from shapes (model variables, optimizer
-variables, accumulators, the batch; an optimizer state planning built and each
-family's accumulators, as the allocator holds them) plus what a call added at its worst on the device
-allocator (:func:`effgrad.memory.measure`'s ``extra_bytes``:
+variables, accumulators, the batch; an optimizer state planning built and
+each family's accumulators, as the allocator holds them) plus what a call
+added at its worst on the device allocator
+(:func:`effgrad.memory.measure`'s ``extra_bytes``:
 activations, gradients), the largest of three calls: independent of whatever
 else the process allocated before. Planning changes nothing: every model
 variable (weights, BatchNorm statistics, dropout seed states), a
@@ -950,8 +951,7 @@ def _plan(
     # What planning left on the device (TensorFlow keeps every traced graph and some of its buffers
     # for the life of the process: measured 7-37 MiB after planning ResNet50, varying run to run)
     # stays there while training runs: each measured peak carries it. Accumulators handed to
-    # training are in every micro-batched peak by their shapes already; what their allocation took
-    # beyond that is left over.
+    # training are in every micro-batched peak already, as they were allocated.
     left = memory.current_bytes() - resident
     if kept is not None and any(int(tf.size(a)) for a in kept._accumulators or []):
         left -= planner.accumulators_held(best.family)
