@@ -20,6 +20,8 @@ Algorithm::
                                 recompute fits with fewer than 4 micro-batches
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
                                 step plus 1.5 copies of a micro-batch's logits; faster where it fits
+                                (the plain step unfused is tried before the fused one: a clear fit
+                                saves that trace)
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
     (TensorFlow keeps traced graphs and some of their buffers; training runs next to them)
@@ -691,19 +693,33 @@ class _Planner:
                     and (c.micro_batches > 1) == micro and c.fused_loss is None and not c.note
                     and c.predicted_bytes <= sure]  # fmt: skip
 
+        clear = self.limit - self.margin * self.budget  # a measured fit this far below needs no fallback
+
         def measure_plain(plain: list[Candidate]) -> None:
+            unfused = self.candidates.get((1, None, False, False))
             for c in sorted(plain, key=lambda c: c.fused_update):
                 if c.fused_update and self.candidate(1, segments).fits:
                     c.note = "not measured: the gathered step fits and is faster"
+                elif (
+                    segments is None
+                    and unfused is not None
+                    and unfused.fits
+                    and unfused.measured_bytes <= (self.limit_of(unfused) - self.margin * self.budget)
+                ):
+                    c.note = "not measured: the unfused loss fits and is faster"
                 else:
                     self.measure(1, segments, c.fused_update)
 
         # The fastest step first (more micro-batches predicted slower than a clear fit are then not measured:
         # the GPT-2 LM checkpointed, one measurement of 1 s steps less); and again after the micro-batched
-        # ones, whose measurements refine the line it is predicted from.
-        measure_plain(fitting(micro=False))
+        # ones, whose measurements refine the line it is predicted from. Where the loss is fused, the
+        # fastest is the plain step unfused (the logits made once): tried before the fused one, which it
+        # saves a trace when it fits clear (the GPT-2 LM at a roomy budget).
+        plain = fitting(micro=False)
+        if segments is None and self.logits_per_row and self.fewest == 1:
+            self.try_unfused(1)
+        measure_plain(plain)
         tries = max(most - len(fitting(micro=False)), 1)
-        clear = self.limit - self.margin * self.budget  # a measured fit this far below needs no fallback
         while tries and (micro := fitting(micro=True)):
             # The fastest predicted first; one predicted slower than a measured fitting step is not measured,
             # unless that step is within the margin of the limit: what planning leaves on the device,
@@ -740,22 +756,28 @@ class _Planner:
         best = self.best()
         if not self.logits_per_row or best is None:
             return
-        tries = 2
         for k in [k for k in _micro_batch_choices(self.batch) if self.fewest <= k <= best.micro_batches]:
-            if not tries:
+            if sum(c.fused_loss is False and c.measured_bytes is not None for c in self.candidates.values()) >= 2:
                 return
-            fused = self.candidates.get((k, None, False, None))
-            base = None if fused is None else fused.peak_bytes
-            if base is None:
-                continue
-            c = self.candidate(k, None, False, fused_loss=False)
-            c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, k))
-            if c.predicted_bytes > self.limit_of(c) - self.margin / 2 * self.budget:
-                c.fits, c.note = False, "predicted over budget"
-                continue
-            tries -= 1
-            if self.measure(k, fused_loss=False).fits:
+            c = self.try_unfused(k)
+            if c is not None and c.fits:
                 return
+
+    def try_unfused(self, micro_batches: int) -> Candidate | None:
+        """The unfused step with ``micro_batches``, predicted from the fused one's peak (measured, or predicted
+        from the line); measured if the prediction leaves half the margin. ``None`` if nothing to predict from."""
+        fused = self.candidates.get((micro_batches, None, False, None))
+        base = None if fused is None else fused.peak_bytes
+        if base is None:
+            return None
+        c = self.candidate(micro_batches, None, False, fused_loss=False)
+        if c.measured_bytes is not None or c.note:
+            return c
+        c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, micro_batches))
+        if c.predicted_bytes > self.limit_of(c) - self.margin / 2 * self.budget:
+            c.fits, c.note = False, "predicted over budget"
+            return c
+        return self.measure(micro_batches, fused_loss=False)
 
     def best(self) -> Candidate | None:
         """The simplest fitting configuration (fewest micro-batches, no recompute) as fast as the fastest.
