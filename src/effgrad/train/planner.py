@@ -397,6 +397,11 @@ class _Planner:
             return self.budget - max(self.reserve, self.largest_bytes)
         return self.limit
 
+    def fits_clear(self, c: Candidate) -> bool:
+        """Whether ``c`` measured a fit the whole margin below its limit: one that needs no fallback (what
+        planning leaves on the device, counted once it is done, cannot rule it out)."""
+        return bool(c.fits) and c.measured_bytes <= self.limit_of(c) - self.margin * self.budget
+
     def accumulators_held(self, family: tuple) -> int:
         """What a micro-batched family's accumulators hold on the allocator: as allocated, at least their shapes."""
         return max(self.accumulator_bytes, self.held.get(family, 0))
@@ -693,19 +698,12 @@ class _Planner:
                     and (c.micro_batches > 1) == micro and c.fused_loss is None and not c.note
                     and c.predicted_bytes <= sure]  # fmt: skip
 
-        clear = self.limit - self.margin * self.budget  # a measured fit this far below needs no fallback
-
         def measure_plain(plain: list[Candidate]) -> None:
             unfused = self.candidates.get((1, None, False, False))
             for c in sorted(plain, key=lambda c: c.fused_update):
                 if c.fused_update and self.candidate(1, segments).fits:
                     c.note = "not measured: the gathered step fits and is faster"
-                elif (
-                    segments is None
-                    and unfused is not None
-                    and unfused.fits
-                    and unfused.measured_bytes <= (self.limit_of(unfused) - self.margin * self.budget)
-                ):
+                elif segments is None and unfused is not None and self.fits_clear(unfused):
                     c.note = "not measured: the unfused loss fits and is faster"
                 else:
                     self.measure(1, segments, c.fused_update)
@@ -727,8 +725,7 @@ class _Planner:
             # needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then 13.2 MiB left over; at
             # a 506 MiB budget, more than half the margin was left and "Nothing fits" was said).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
-            fastest = [m.seconds for m in self.candidates.values() if m.fits and m.segments == segments
-                       and m.measured_bytes <= clear]  # fmt: skip
+            fastest = [m.seconds for m in self.candidates.values() if m.segments == segments and self.fits_clear(m)]
             predicted = self.seconds(segments, c.micro_batches)
             if fastest and predicted is not None and not same_speed(predicted, min(fastest)):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, slower than a measured fit"
