@@ -232,11 +232,15 @@ def test_where_its_logits_fit_the_unfused_loss_is_measured_and_training_takes_th
     roomy = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget="1GiB", verbose=False)
     fused, unfused = (next(c for c in roomy.table if c.key == (1, None, False, f)) for f in (None, False))
     logits = 256 * 20000 * 4
-    assert roomy.fused_loss is False and fused.note == "not measured: the unfused loss fits and is faster", roomy
+    assert fused.note == "not measured: the unfused loss fits and is faster" and unfused.fits, roomy
     assert unfused.measured_bytes > fused.predicted_bytes + logits // 2, roomy
+    # Chosen unless another step measured faster beyond timing noise: here 15 ms against 30 ms for the
+    # fused step with 4 micro-batches, but CI's other worker once made it the slower (k=2 fused chosen).
+    assert roomy.fused_loss is False or not planner.same_speed(unfused.seconds, roomy.seconds_per_step), roomy
     assert "fused_loss=False" in unfused.describe() and " made " in str(roomy)
     fused = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget="1GiB", verbose=False, fused_loss=True)
-    assert fused.fused_loss is None and fused.micro_batches == 1 and fused.peak_bytes < unfused.measured_bytes, fused
+    plain = next(c for c in fused.table if c.key == (1, None, False, None))
+    assert fused.fused_loss is None and plain.fits and plain.measured_bytes < unfused.measured_bytes, fused
     # Training runs what was chosen: the planned step fuses its loss unless the plan chose otherwise.
     step = effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(0.01), micro_batches="auto",
                                     memory_budget="1GiB", verbose=False)  # fmt: skip
