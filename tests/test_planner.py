@@ -346,6 +346,11 @@ def test_a_plain_step_predicted_at_the_edge_is_first_checked_against_a_point_fur
     assert fake.candidate(2).measured_bytes == 930, fake.candidates
     assert fake.candidate(1).measured_bytes is None and fake.candidate(1).note == "predicted over budget"
     # Far from the edge (a peak of 100 + 15 per row, the plain step at 580), no point is added: see below.
+    # Predicted from half the batch, a plain step between the 900 and the 950 measured peaks must stay
+    # within is measured (the GPT-2 LM's checkpointed one: 304 MiB, predicted 319, within 336 only later).
+    fake = _fake_planner(lambda rows: 600 + 10 * rows, lambda k, rows: 1.0 + 0.05 * k, sub_batches=False)
+    fake.explore(None)
+    assert fake.candidate(2).measured_bytes == 760 and fake.candidate(1).measured_bytes == 920, fake.candidates
 
 
 def test_step_time_is_modelled_from_slices_and_the_whole_batch():
