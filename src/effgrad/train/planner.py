@@ -14,8 +14,10 @@ Algorithm::
                                 fast as the fastest measured fit
         plain (k = 1):          predicted from the same line (no accumulator); measured if
                                 predicted to fit (first: slower micro-batch counts are then
-                                not measured); and fused_update=True (each update inside
-                                backprop) where weights outweigh activations
+                                not measured; predicted at the edge, after k = 2 on the whole
+                                batch, a point further out on the same trace); and
+                                fused_update=True (each update inside backprop) where weights
+                                outweigh activations
         checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
                                 recompute fits with fewer than 4 micro-batches
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
