@@ -758,7 +758,7 @@ class _Planner:
         """
         plain = self.candidate(1, segments)
         far = max(p.per_micro for p in self._points(segments))
-        if plain.measured_bytes is not None or 2 * far >= self.batch or self.batch < 2:
+        if plain.measured_bytes is not None or 2 * far >= self.batch:
             return False
         if abs(plain.predicted_bytes - sure) > self.margin * self.budget:
             return False
