@@ -82,8 +82,11 @@ _TRAIN_WITH_PLAN = textwrap.dedent(
 
 # Batch sizes where activations, not the fixed part (weights, Adam state, the CPU backend's
 # convolution workspace: ~60 MiB here), set the plain peak: there is room to plan in between.
-@pytest.mark.parametrize("make, shape, n", [(_wide_mlp, (32,), 2048), (_conv, (16, 16, 3), 512)])
-def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng, make, shape, n):
+# The MLP's step is ~20 MiB, where the allocator's placement in a used process moves one configuration's
+# peak by 15% (2 micro-batches: 17.8-22.8 MiB over 17 processes, 1-2 of them over a 20-21 MiB budget with
+# the default 5% reserve): there the margin covers that (the benchmark checks the default at 300-950 MiB).
+@pytest.mark.parametrize("make, shape, n, margin", [(_wide_mlp, (32,), 2048, 0.3), (_conv, (16, 16, 3), 512, 0.1)])
+def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng, make, shape, n, margin):
     model = make()
     x, y = _data(rng, shape, n)
     roomy = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=2**30)
@@ -99,7 +102,7 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     assert smallest < 0.75 * plain, roomy  # room to plan in between
     budget = int(smallest + 0.7 * (plain - smallest))
     assert plain > budget + 2 * 2**20  # the plain step clearly does not fit
-    planned = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=budget)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-3), x, y, budget=budget, margin=margin)
     assert planned.micro_batches > 1 or planned.segments is not None or planned.fused_update, planned
     assert planned.peak_bytes <= budget, planned
     assert planned.planning_seconds < 60, planned  # one trace per family, not a search by crashing
