@@ -36,8 +36,17 @@ def _plain(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class):
         # 4,096 + 4,096 + 808 classes: the logsumexp and the gradients combined over class chunks
         (False, None, True, 3, 9000),
         (True, 5.0, False, None, 9000),
+        (True, 2.0, True, 0, 9000),  # a [V, d] kernel's backprop runs [classes, rows]: the bias there too
     ],
-    ids=["dense", "tied-ignore", "tied-softcap", "dense-softcap-ignore", "dense-3-class-chunks", "tied-3-class-chunks"],
+    ids=[
+        "dense",
+        "tied-ignore",
+        "tied-softcap",
+        "dense-softcap-ignore",
+        "dense-3-class-chunks",
+        "tied-3-class-chunks",
+        "tied-bias-softcap-ignore-3-class-chunks",
+    ],
 )
 def test_loss_and_gradients_equal_the_plain_cross_entropy(
     rng, mode, transposed, soft_cap, with_bias, ignore_class, classes
