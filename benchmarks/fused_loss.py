@@ -158,7 +158,7 @@ def run(quick: bool = False) -> dict:
             rows.append({"shape": f"classifier sweep {vocab}", "vocab": vocab, "method": method, **result})
     title = (
         "Fused projection + sparse cross-entropy: absolute allocator peak of one Adam step, fresh process per "
-        "row; 'logits MiB' = one float32 copy of the logits"
+        "row (a model's rows: the fastest of 3, interleaved); 'logits MiB' = one float32 copy of the logits"
     )
     columns = [
         ("shape", "model", ""),
