@@ -31,6 +31,7 @@ __all__ = [
     "gradients_already_reduced",
     "built_for",
     "call_arguments",
+    "dynamic_update_slice",
     "flatten_layers",
     "hook_method",
     "in_xla_context",
@@ -66,8 +67,9 @@ def _missing(what: str, err: Exception) -> ImportError:
 
 try:
     # Runs a checkpointed forward pass without recording it on any tape.
-    # Keeps grappler from merging a recompute back into the forward pass.
-    from tensorflow.compiler.tf2xla.python.xla import optimization_barrier
+    # Keeps grappler from merging a recompute back into the forward pass; writes a block at a
+    # traced offset in place under XLA (the fused loss's kernel gradient).
+    from tensorflow.compiler.tf2xla.python.xla import dynamic_update_slice, optimization_barrier
     from tensorflow.python.eager.record import stop_recording
 
     # Tells whether a graph is being compiled by XLA (the recompute guard differs).

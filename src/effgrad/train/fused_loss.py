@@ -212,10 +212,45 @@ def kernel_gradients_later(variables):
         _deferred.pending = outer
 
 
-def _classes(w, b, start: int, width: int, transposed: bool, has_bias: bool):
-    """The kernel's and the bias's classes ``start:start + width``."""
-    w_j = w[start : start + width] if transposed else w[:, start : start + width]
-    return w_j, (b[start : start + width] if has_bias else b)
+def _classes(w, b, start, width: int, transposed: bool, has_bias: bool):
+    """The kernel's and the bias's classes ``start:start + width`` (``start`` may be a tensor: the
+    size stays static, as XLA needs)."""
+    w_j = tf.slice(w, [start, 0], [width, -1]) if transposed else tf.slice(w, [0, start], [-1, width])
+    return w_j, (tf.slice(b, [start], [width]) if has_bias else b)
+
+
+def _over_classes(vocabulary: int, block, state, first_alone: bool = False):
+    """``block(start, width, state) -> state`` over the classes, one chunk of ``_VOCAB_CHUNK`` at a
+    time: the full chunks in one ``tf.while_loop``, the last, shorter one after it, so the graph is
+    the same size whatever the vocabulary (unrolled, GPT-2's 13 chunks took a step's trace from 1.7
+    to 2.9 s). ``first_alone``: the first chunk is unrolled too (it makes a buffer the loop carries).
+    """
+    full, tail = divmod(vocabulary, _VOCAB_CHUNK)
+    first = 0
+    if first_alone or not full:
+        width = _VOCAB_CHUNK if full else tail
+        state, first = block(0, width, state), 1
+        full, tail = (full - 1, tail) if full else (0, 0)
+
+    def body(j, *state):
+        if not _compat.in_xla_context():
+            # A stateful op in the loop: with only stateless ones the loops held 26 MiB more at
+            # GPT-2's head (114 vs 88 MiB added, in each of 3 fresh processes) and were no faster.
+            with tf.control_dependencies([tf.timestamp()]):
+                j = tf.identity(j)
+        return (j + 1, *block(j * _VOCAB_CHUNK, _VOCAB_CHUNK, state))
+
+    if full:
+        state = tf.while_loop(
+            lambda j, *_: j < first + full,
+            body,
+            (tf.constant(first), *state),
+            maximum_iterations=full,
+            parallel_iterations=1,  # one chunk's logits at a time
+        )[1:]
+    if tail:
+        state = block((first + full) * _VOCAB_CHUNK, tail, tuple(state))
+    return tuple(state)
 
 
 def _in_chunk(ids, start: int, width: int):
@@ -304,12 +339,10 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             # rescaled with them), so each matmul is [size, 4,096], the shape backprop uses, not a
             # skinny [16 MiB / V, V] (measured at GPT-2's vocabulary, 2,048 rows: 0.16 s against 0.24 s).
             h_i, labels_i = chunk(h_pad, i), chunk(labels_pad, i)
-            top = tf.fill(tf.shape(labels_i), float("-inf"))
-            total, picked, previous = tf.zeros_like(top), tf.zeros_like(top), []
-            acc = tf.zeros_like(h_i)
-            for start in range(0, vocabulary, _VOCAB_CHUNK):
-                width = min(_VOCAB_CHUNK, vocabulary - start)
-                with tf.control_dependencies(previous):  # one class chunk's logits at a time
+
+            def block(start, width, state):
+                top, total, picked, acc = state
+                with tf.control_dependencies([total, picked, acc]):  # one class chunk's logits at a time
                     w_j, b_j = classes(start, width)
                     z, slope = logits_of(h_i, w_j, b_j)
                 new_top = tf.maximum(top, tf.reduce_max(z, axis=1))
@@ -317,10 +350,14 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
                 e = tf.exp(z - new_top[:, None])
                 total = total * rescale + tf.reduce_sum(e, axis=1)
                 acc = acc * rescale[:, None] + back_to_hidden(e if slope is None else e * slope, w_j)
-                top = new_top
                 local, inside = _in_chunk(labels_i, start, width)
                 picked += tf.where(inside, tf.gather(z, local, batch_dims=1), 0.0)
-                previous = [total, picked, acc]
+                return new_top, total, picked, acc
+
+            top = tf.fill(tf.shape(labels_i), float("-inf"))
+            top, total, picked, acc = _over_classes(
+                vocabulary, block, (top, tf.zeros_like(top), tf.zeros_like(top), tf.zeros_like(h_i))
+            )
             lse = top + tf.math.log(total)
             dh = minus_label_rows(acc / total[:, None], labels_i, picked)
             return i + 1, lse_parts.write(i, lse), loss_parts.write(i, lse - picked), dh_parts.write(i, dh)
@@ -399,21 +436,17 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
     chunk: added to the whole kernel-sized result they would take a second kernel-sized buffer
     (TensorFlow's scatter-add does not update its input in place: measured 128 vs 64 MiB).
 
-    Chunks of the vocabulary (a static loop, one at a time), and of rows inside each: the kernel's
+    Chunks of the vocabulary (a loop, one at a time), and of rows inside each: the kernel's
     gradient is summed per vocabulary chunk in a small ``[d, chunk]`` buffer, then written in place
     into the one kernel-sized buffer. Summing whole ``[d, V]`` gradients over row chunks would keep
     three kernel-sized buffers alive (the sum, the addend, the result); concatenating the chunks at
     the end, two (measured: 49 MiB more at GPT-2's).
     """
     vocabulary = int(w32.shape[0] if transposed else w32.shape[1])
-    depth = int(h32.shape[-1])
     rows = tf.shape(h32)[0]
     rc = tf.maximum(tf.minimum(max(1, CHUNK_ELEMENTS // _VOCAB_CHUNK), rows), 1)
     row_chunks = (rows + rc - 1) // rc
     extra = row_chunks * rc - rows
-
-    def kernel_order(vocabulary_axis, depth_axis):
-        return [vocabulary_axis, depth_axis] if transposed else [depth_axis, vocabulary_axis]
 
     def rows_of(t, i):
         return tf.slice(t, [i * rc] + [0] * (t.shape.rank - 1), [rc] + [-1] * (t.shape.rank - 1))
@@ -421,19 +454,37 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
     h_b, d_b, lse_b, labels_b = (
         tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1)) for t in (h32, d_loss, lse, labels)
     )
-    dw, db_parts, previous = None, [], []
     xla = _compat.in_xla_context()
     sparse = others[0] if isinstance(others[0], tf.IndexedSlices) else None
     dense = others[0] is not None and sparse is None
-    if dense:  # a dense gradient from elsewhere (a checkpointed segment's lookup) is the buffer itself:
-        dw = tf.cast(others[0], tf.float32)  # each chunk is added to its slice of it, in place
-    for start in range(0, vocabulary, _VOCAB_CHUNK):
-        width = min(_VOCAB_CHUNK, vocabulary - start)
-        with tf.control_dependencies(previous):  # one vocabulary chunk at a time
+    # A dense gradient from elsewhere (a checkpointed segment's lookup) is the buffer itself: each
+    # chunk is added to its slice of it, in place. Else the first chunk makes the buffer.
+    dw = tf.cast(others[0], tf.float32) if dense else None
+
+    def write(buffer, part, start, width: int, axis: int, own: bool):
+        """``part`` into classes ``start:start + width`` (along ``axis``) of ``buffer``, in place."""
+        rank = part.shape.rank
+        if buffer is None:  # the first chunk padded with zeros (a zeros tensor would be folded
+            # into a kernel-sized constant that the graph keeps for good)
+            return tf.pad(part, [[0, vocabulary - width] if a == axis else [0, 0] for a in range(rank)])
+        begin = tf.stack([start if a == axis else 0 for a in range(rank)])
+        if xla:  # XLA updates in place (it has no kernel for InplaceUpdate)
+            return _compat.dynamic_update_slice(buffer, part, begin)
+        if axis == 0 and own:  # rows of a buffer made here, which nothing else reads: InplaceUpdate copies
+            # them in place (TensorStridedSliceUpdate's generic strided copy took 1.4 ms per 4 MiB chunk,
+            # 17 ms a step at GPT-2's vocabulary)
+            return tf.raw_ops.InplaceUpdate(x=buffer, i=tf.range(start, start + width), v=part)
+        end = tf.stack([start + width if a == axis else part.shape[a] for a in range(rank)])
+        # in place: TensorFlow forwards the buffer nothing else reads
+        return tf.raw_ops.TensorStridedSliceUpdate(input=buffer, begin=begin, end=end, strides=[1] * rank, value=part)
+
+    def block(start, width: int, state):
+        dw, db = state
+        with tf.control_dependencies([t for t in state if t is not None]):  # one vocabulary chunk at a time
             w_j, b_j = _classes(w32, b32, start, width, transposed, has_bias)
         local, inside = _in_chunk(labels_b, start, width)
 
-        def backward(i, dw_j, db_j, w_j=w_j, b_j=b_j, local=local, inside=inside):
+        def backward(i, dw_j, db_j):
             h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
             # A [V, d] kernel's chunk is computed as [classes, rows]: then neither matmul transposes
             # its big operand (dz): the pair measured 10% faster at GPT-2's tied head than dz^T @ h.
@@ -461,22 +512,15 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
             maximum_iterations=row_chunks,
             parallel_iterations=1,
         )
-        if dw is None:  # the buffer: the first chunk padded with zeros (a zeros tensor would be
-            # folded into a kernel-sized constant that the graph keeps for good)
-            dw = tf.pad(dw_j, kernel_order([0, vocabulary - width], [0, 0]))
-        elif transposed and not dense and not xla:  # rows of the buffer made here, which nothing else
-            # reads: InplaceUpdate copies them in place (TensorStridedSliceUpdate's generic strided copy
-            # took 1.4 ms per 4 MiB chunk, 17 ms a step at GPT-2's vocabulary); XLA has no kernel for it
-            dw = tf.raw_ops.InplaceUpdate(x=dw, i=tf.range(start, start + width), v=dw_j)
-        else:  # in place: TensorFlow forwards the buffer nothing else reads; XLA updates in place
-            begin, end = kernel_order(start, 0), kernel_order(start + width, depth)
-            dw = tf.raw_ops.TensorStridedSliceUpdate(input=dw, begin=begin, end=end, strides=[1, 1], value=dw_j)
-        db_parts.append(db_j)
-        previous = [dw]
-    return dw, (tf.concat(db_parts, axis=0) if has_bias else b32)
+        dw = write(dw, dw_j, start, width, 0 if transposed else 1, own=not dense)
+        return dw, (write(db, db_j, start, width, 0, own=True) if has_bias else db)
+
+    # No bias: its empty stand-in rides along (a loop cannot carry None).
+    dw, db = _over_classes(vocabulary, block, (dw, None if has_bias else b32), first_alone=True)
+    return dw, db
 
 
-def _part(gradient, start: int, width: int, class_axis: int, like):
+def _part(gradient, start, width: int, class_axis: int, like):
     """Classes ``start:start + width`` (along ``class_axis``) of a kernel's or bias's ``gradient``:
     dense, IndexedSlices (a lookup's rows) or None (zeros), shaped as ``like``."""
     if gradient is None:
@@ -487,7 +531,9 @@ def _part(gradient, start: int, width: int, class_axis: int, like):
         values = tf.where(tf.reshape(inside, [-1] + [1] * (values.shape.rank - 1)), values, 0.0)
         return tf.tensor_scatter_nd_add(tf.zeros_like(like), local[:, None], values)
     gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
-    return gradient[start : start + width] if class_axis == 0 else gradient[:, start : start + width]
+    rank = gradient.shape.rank
+    begin = tf.stack([start if a == class_axis else 0 for a in range(rank)])
+    return tf.slice(gradient, begin, [width if a == class_axis else -1 for a in range(rank)])
 
 
 def readers_of_logits(on_micro_batch, y=None, logits=None) -> list[str]:
