@@ -434,3 +434,26 @@ def test_the_logits_are_never_made():
     assert peaks["plain"] > logits
     # a 16 MiB chunk's logits and their gradient, the kernel's gradient (12 MiB) and its update
     assert peaks["fused"] < 0.6 * logits, peaks
+
+
+def test_the_graph_does_not_grow_with_the_vocabulary(monkeypatch):
+    """The class chunks are a loop, not unrolled: a bigger vocabulary is the same graph (at GPT-2's
+    13 chunks, unrolled, a step's trace took 3.0 s against 1.7)."""
+    monkeypatch.setattr(effgrad.train.fused_loss, "_VOCAB_CHUNK", 16)
+
+    def nodes(vocabulary):
+        hidden, labels = tf.zeros([6, 8]), tf.zeros([6], tf.int32)
+        kernel = tf.Variable(tf.zeros([vocabulary, 8]))
+
+        @tf.function
+        def loss_and_gradients():
+            with tf.GradientTape() as tape:
+                tape.watch(hidden)
+                loss = tf.reduce_sum(effgrad.fused_sparse_cross_entropy(hidden, kernel, labels, transposed=True))
+            return tape.gradient(loss, [hidden, kernel])
+
+        graph = loss_and_gradients.get_concrete_function().graph.as_graph_def()
+        return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+
+    # 41 chunks and 5 (first, loop, last): the same but for a few constants; unrolled, dozens of nodes a chunk
+    assert abs(nodes(16 * 40 + 5) - nodes(16 * 4 + 5)) < 10
