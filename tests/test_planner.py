@@ -146,6 +146,32 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
     assert best.micro_batches == 2
 
 
+def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_next_to_it(rng, monkeypatch):
+    # The GPT-2 LM in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then planning
+    # left 18 MiB on the device; checkpointing, never tried since something fit, was the answer.
+    # Here planning "leaves" 88 MiB of a 100 MiB budget: every step without checkpointing (11-21
+    # MiB) is ruled out, and a checkpointed one (8 MiB with 4 micro-batches) fits in what is left.
+    real, release, released = effgrad.memory.current_bytes, planner._Planner.release, []
+    left = 88 * 2**20
+
+    def current_bytes(device=None):
+        return real(device) + (left if released else 0)
+
+    def release_and_leave(self, keep=None):
+        kept = release(self, keep)
+        released.append(True)
+        return kept
+
+    monkeypatch.setattr(effgrad.memory, "current_bytes", current_bytes)
+    monkeypatch.setattr(planner._Planner, "release", release_and_leave)
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=100 * 2**20, verbose=False)
+    assert planned.segments is not None and planned.budget_bytes == 100 * 2**20, planned
+    assert planned.left_bytes >= left and planned.peak_bytes <= planned.budget_bytes, planned
+    first = [c for c in planned.table if c.segments is None and c.measured_bytes is not None]
+    assert first and all("planning left" in c.note for c in first), planned
+
+
 def test_the_optimizer_state_counts_as_the_allocator_holds_it(rng, monkeypatch):
     # A buffer placed in a free chunk less than twice its size takes the whole chunk: Adam's 110.7 MiB
     # of GPT-2 LM slots held 133.6 MiB, and training holds them so. Here its build holds 16 MiB more.

@@ -26,7 +26,9 @@ Algorithm::
                                 saves that trace)
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
-    (TensorFlow keeps traced graphs and some of their buffers; training runs next to them)
+    (TensorFlow keeps traced graphs and some of their buffers; training runs next to them);
+    where that rules out every fit found without checkpointing, which was then not tried, a
+    second round plans the checkpointed families within the budget less what was left
     hand the chosen family's step to training (build_train_step(micro_batches="auto") runs
     it: no second trace; attach takes its accumulators, as allocated, which the peaks counted)
 
@@ -875,6 +877,29 @@ def _segment_choices(model) -> list[int]:
     return sorted({min(2, cuts + 1), math.ceil(math.sqrt(cuts + 1))} - {1})
 
 
+def _second_round(first_table, left: int, started: float, *args, budget: int, verbose: bool, **kwargs) -> MemoryPlan:
+    """The checkpointed families, planned within ``budget`` less the ``left`` bytes the first round left
+    on the device (the reserve is then half the margin of that); the plan as of the whole budget, the
+    first round's table included."""
+    if verbose:
+        _say(f"nothing fits next to the {left / _MIB:,.1f} MiB planning left on the device: checkpointing, counting it")
+    try:
+        second = _plan(*args, budget=budget - left, verbose=verbose, checkpointed_only=True, **kwargs)
+    except ValueError as err:
+        raise ValueError(
+            f"{err} (a second round, checkpointed, within the {budget / _MIB:,.1f} MiB budget less the "
+            f"{left / _MIB:,.1f} MiB the first round left on the device)"
+        ) from None
+    return dataclasses.replace(
+        second,
+        budget_bytes=budget,
+        peak_bytes=second.peak_bytes + left,
+        left_bytes=second.left_bytes + left,
+        table=first_table + second.table,
+        planning_seconds=time.perf_counter() - started,
+    )
+
+
 def plan(
     model,
     loss,
@@ -940,11 +965,25 @@ def plan(
 
 
 def _plan(
-    model, loss, optimizer, x, y, *, budget, sample_weight, strategy, margin, verbose, keep_step, **step_options
+    model,
+    loss,
+    optimizer,
+    x,
+    y,
+    *,
+    budget,
+    sample_weight,
+    strategy,
+    margin,
+    verbose,
+    keep_step,
+    checkpointed_only: bool = False,
+    **step_options,
 ) -> MemoryPlan:
     """:func:`plan`; with ``keep_step`` the plan's ``step`` is the chosen configuration's traced step, for
     training to take (:class:`PlannedTrainStep`, ``attach``) right away: one trace less, and the
-    accumulators its peaks were measured with, as they were allocated."""
+    accumulators its peaks were measured with, as they were allocated. ``checkpointed_only``: the
+    second round (below), which explores the checkpointed families only."""
     started = time.perf_counter()
     budget_bytes = parse_budget(budget)
     if not 0 <= margin < 1:
@@ -979,7 +1018,8 @@ def _plan(
             "measuring configurations (a trace per family)"
         )
     try:
-        planner.explore(None)
+        if not checkpointed_only:
+            planner.explore(None)
         best = planner.best()
         if (best is None or best.micro_batches >= _CHECKPOINT_FROM) and not step_options.get("per_example_clip"):
             # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many.
@@ -1014,6 +1054,15 @@ def _plan(
         planner.candidates.values(),
         key=lambda c: (c.fused_loss is False, c.segments or 0, c.micro_batches, c.fused_update),
     )
+    if best is None and left and not any(c.segments for c in table) and not checkpointed_only:
+        # What planning left on the device ruled out the fits found without checkpointing, which was then
+        # never tried: a second round tries it, within the budget less what the first left (the GPT-2 LM
+        # in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then 18 MiB left over).
+        if not step_options.get("per_example_clip") and _segment_choices(model):
+            return _second_round(
+                table, left, started, model, loss, optimizer, x, y, budget=budget_bytes, sample_weight=sample_weight,
+                strategy=strategy, margin=margin, verbose=verbose, keep_step=keep_step, **step_options,
+            )  # fmt: skip
     if best is None:
         known = [c for c in table if c.peak_bytes is not None]
         if not known:
