@@ -253,7 +253,7 @@ def _over_classes(vocabulary: int, block, state, first_alone: bool = False):
     return tuple(state)
 
 
-def _in_chunk(ids, start: int, width: int):
+def _in_chunk(ids, start, width: int):
     """``(each id's index in the class chunk start:start + width, or 0; whether it is in it)``."""
     local = ids - start
     inside = (local >= 0) & (local < width)
@@ -516,8 +516,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
         return dw, (write(db, db_j, start, width, 0, own=True) if has_bias else db)
 
     # No bias: its empty stand-in rides along (a loop cannot carry None).
-    dw, db = _over_classes(vocabulary, block, (dw, None if has_bias else b32), first_alone=True)
-    return dw, db
+    return _over_classes(vocabulary, block, (dw, None if has_bias else b32), first_alone=True)
 
 
 def _part(gradient, start, width: int, class_axis: int, like):
