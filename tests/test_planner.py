@@ -1,6 +1,7 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
 import json
+import math
 import textwrap
 import types
 
@@ -149,25 +150,28 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
 def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_next_to_it(rng, monkeypatch):
     # The GPT-2 LM in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then planning
     # left 18 MiB on the device; checkpointing, never tried since something fit, was the answer.
-    # Here planning "leaves" 88 MiB of a 100 MiB budget: every step without checkpointing (11-21
-    # MiB) is ruled out, and a checkpointed one (8 MiB with 4 micro-batches) fits in what is left.
-    real, release, released = effgrad.memory.current_bytes, planner._Planner.release, []
-    left = 88 * 2**20
+    # Peaks as that LM's (MiB): 20 fixed, 40 more with micro-batches (accumulators), and 0.05 a row
+    # per micro-batch, 0.01 checkpointed. Planning "leaves" 140 MiB of a 200 MiB budget: every step
+    # without checkpointing (60 MiB and more) is ruled out; the checkpointed plain one (40.5) fits.
+    mib, real, released = 2**20, effgrad.memory.current_bytes, []
 
-    def current_bytes(device=None):
-        return real(device) + (left if released else 0)
+    def run(self, c, calls, rows):
+        per_row = 0.05 if c.segments is None else 0.01
+        peak = 20 + (40 if c.micro_batches > 1 else 0) + per_row * math.ceil(rows / c.micro_batches)
+        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
 
     def release_and_leave(self, keep=None):
-        kept = release(self, keep)
         released.append(True)
-        return kept
+        return None
 
-    monkeypatch.setattr(effgrad.memory, "current_bytes", current_bytes)
+    monkeypatch.setattr(planner._Planner, "_run", run)
+    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 40 * mib)
     monkeypatch.setattr(planner._Planner, "release", release_and_leave)
+    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: real(device) + 140 * mib * bool(released))
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
-    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=100 * 2**20, verbose=False)
-    assert planned.segments is not None and planned.budget_bytes == 100 * 2**20, planned
-    assert planned.left_bytes >= left and planned.peak_bytes <= planned.budget_bytes, planned
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=200 * mib, verbose=False)
+    assert (planned.micro_batches, planned.segments) == (1, 2) and planned.budget_bytes == 200 * mib, planned
+    assert planned.left_bytes >= 140 * mib and planned.peak_bytes <= planned.budget_bytes, planned
     first = [c for c in planned.table if c.segments is None and c.measured_bytes is not None]
     assert first and all("planning left" in c.note for c in first), planned
 
