@@ -770,11 +770,10 @@ class _Planner:
         """Measures the loss unfused (the logits made), with the fewest micro-batches predicted to fit.
 
         The fused loss makes the logits twice (a third more of the head's matmuls: the GPT-2 LM's step
-        1.04-1.05x slower, a 100,000-class classifier's 1.38x), so where the budget leaves room for them
-        the unfused step is faster. Its
-        peak is predicted as the fused step's with as many micro-batches plus 1.5 float32 copies of a
-        micro-batch's logits (measured here at one micro-batch: 1.6 on the GPT-2 LM at T=256, 1.2 on
-        a Dense head to 20,000 classes), within half the margin. Only micro-batch counts
+        1.02-1.06x slower, a 100,000-class classifier's 1.39x), so where the budget leaves room for them
+        the unfused step is faster. Its peak is predicted as the fused step's with as many micro-batches
+        plus 1.5 float32 copies of a micro-batch's logits (measured here at one micro-batch: 1.6 on the
+        GPT-2 LM at T=256, 1.2 on a Dense head to 20,000 classes), within half the margin. Only micro-batch counts
         up to the best fused one's are tried (more would be slower), without checkpointing, and at most
         two, since each new family is a trace.
         """
@@ -1054,15 +1053,15 @@ def _plan(
         planner.candidates.values(),
         key=lambda c: (c.fused_loss is False, c.segments or 0, c.micro_batches, c.fused_update),
     )
-    if best is None and left and not any(c.segments for c in table) and not checkpointed_only:
-        # What planning left on the device ruled out the fits found without checkpointing, which was then
-        # never tried: a second round tries it, within the budget less what the first left (the GPT-2 LM
-        # in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then 18 MiB left over).
-        if not step_options.get("per_example_clip") and _segment_choices(model):
-            return _second_round(
-                table, left, started, model, loss, optimizer, x, y, budget=budget_bytes, sample_weight=sample_weight,
-                strategy=strategy, margin=margin, verbose=verbose, keep_step=keep_step, **step_options,
-            )  # fmt: skip
+    # What planning left on the device ruled out the fits found without checkpointing, which was then
+    # never tried: a second round tries it, within the budget less what the first left (the GPT-2 LM
+    # in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then 18 MiB left over).
+    untried = not any(c.segments for c in table) and not step_options.get("per_example_clip")
+    if best is None and left and not checkpointed_only and untried and _segment_choices(model):
+        return _second_round(
+            table, left, started, model, loss, optimizer, x, y, budget=budget_bytes, sample_weight=sample_weight,
+            strategy=strategy, margin=margin, verbose=verbose, keep_step=keep_step, **step_options,
+        )  # fmt: skip
     if best is None:
         known = [c for c in table if c.peak_bytes is not None]
         if not known:
