@@ -176,6 +176,28 @@ def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_ne
     assert first and all("planning left" in c.note for c in first), planned
 
 
+def test_before_nothing_fits_is_said_a_step_predicted_just_over_is_measured(rng, monkeypatch):
+    # The GPT-2 LM in a used process: its checkpointed plain step was predicted 0.1 MiB over the limit,
+    # never measured, and "Nothing fits" was said; it measured 296-313 MiB of 331 allowed elsewhere.
+    # Peaks (MiB): 20 fixed, 110 more with micro-batches (accumulators, so none fits), 0.05 a row per
+    # micro-batch; the plain step (2048 rows) is predicted 122.4 from the line but measures 10 less.
+    mib = 2**20
+
+    def run(self, c, calls, rows):
+        per_micro = math.ceil(rows / c.micro_batches)
+        peak = 20 + 0.05 * per_micro + (110 if c.micro_batches > 1 else -10)
+        return int(peak * mib), 0.01 * c.micro_batches
+
+    monkeypatch.setattr(planner._Planner, "_run", run)
+    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 110 * mib)
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    budget = 126 * mib  # measured peaks within 119.7 MiB: the plain step is predicted 2.7 over
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=budget, verbose=False)
+    chosen = {c.key: c for c in planned.table}[(1, planned.segments, planned.fused_update, None)]
+    assert planned.micro_batches == 1 and chosen.predicted_bytes > 0.95 * budget, planned
+    assert chosen.measured_bytes < 113 * mib and planned.peak_bytes <= 0.95 * budget, planned
+
+
 def test_the_optimizer_state_counts_as_the_allocator_holds_it(rng, monkeypatch):
     # A buffer placed in a free chunk less than twice its size takes the whole chunk: Adam's 110.7 MiB
     # of GPT-2 LM slots held 133.6 MiB, and training holds them so. Here its build holds 16 MiB more.
@@ -213,7 +235,8 @@ def test_the_accumulators_count_as_the_allocator_holds_them(rng, monkeypatch):
     assert held and micro, (plain, padded)
     for k in micro:  # 16 MiB more, give or take the allocator's noise
         assert after[k] - before[k] > 12 * 2**20, (k, before[k], after[k])
-    assert abs(after[(1, None, False, None)] - before[(1, None, False, None)]) < 4 * 2**20
+    # Within half the 16 MiB: two plans' placements differ by up to ~5 MiB on a loaded machine.
+    assert abs(after[(1, None, False, None)] - before[(1, None, False, None)]) < 8 * 2**20
 
 
 def test_measured_peaks_leave_a_largest_gradient_free_where_that_is_more_than_the_margin(rng):
