@@ -176,25 +176,29 @@ def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_ne
     assert first and all("planning left" in c.note for c in first), planned
 
 
-def test_before_nothing_fits_is_said_a_step_predicted_just_over_is_measured(rng, monkeypatch):
-    # The GPT-2 LM in a used process: its checkpointed plain step was predicted 0.1 MiB over the limit,
-    # never measured, and "Nothing fits" was said; it measured 296-313 MiB of 331 allowed elsewhere.
-    # Peaks (MiB): 20 fixed, 110 more with micro-batches (accumulators, so none fits), 0.05 a row per
-    # micro-batch; the plain step (2048 rows) is predicted 122.4 from the line but measures 10 less.
+@pytest.mark.parametrize("accumulators", [110, 90])  # no micro-batched step fits / 16 fit at the edge
+def test_where_nothing_fits_clear_a_step_predicted_just_over_is_measured(rng, monkeypatch, accumulators):
+    # The GPT-2 LM in used processes: its checkpointed plain step was predicted 0.1-3.5 MiB over the limit,
+    # never measured, and "Nothing fits" was said (once next to a fit at the edge, which what planning
+    # left then ruled out); it measured 296-313 MiB of 331 allowed elsewhere.
+    # Peaks (MiB): 20 fixed, the accumulators with micro-batches (none fits / 16 micro-batches fit at
+    # 116.4, not clear of the margin), 0.05 a row per micro-batch; the plain step (2048 rows) is
+    # predicted 122.4 from the line but measures 10 less. Checkpointed steps are slower.
     mib = 2**20
 
     def run(self, c, calls, rows):
         per_micro = math.ceil(rows / c.micro_batches)
-        peak = 20 + 0.05 * per_micro + (110 if c.micro_batches > 1 else -10)
-        return int(peak * mib), 0.01 * c.micro_batches
+        peak = 20 + 0.05 * per_micro + (accumulators if c.micro_batches > 1 else -10)
+        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
 
     monkeypatch.setattr(planner._Planner, "_run", run)
-    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 110 * mib)
+    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: accumulators * mib)
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
     budget = 126 * mib  # measured peaks within 119.7 MiB: the plain step is predicted 2.7 over
     planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=budget, verbose=False)
     chosen = {c.key: c for c in planned.table}[(1, planned.segments, planned.fused_update, None)]
-    assert planned.micro_batches == 1 and chosen.predicted_bytes > 0.95 * budget, planned
+    assert (planned.micro_batches, planned.segments) == (1, None), planned
+    assert chosen.predicted_bytes > 0.95 * budget, planned
     assert chosen.measured_bytes < 113 * mib and planned.peak_bytes <= 0.95 * budget, planned
 
 
