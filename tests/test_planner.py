@@ -147,7 +147,7 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
     assert best.micro_batches == 2
 
 
-def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_next_to_it(rng, monkeypatch):
+def test_when_what_planning_left_rules_out_every_fit_planning_again_checkpoints_next_to_it(rng, monkeypatch):
     # The GPT-2 LM in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then planning
     # left 18 MiB on the device; checkpointing, never tried since something fit, was the answer.
     # Peaks as that LM's (MiB): 20 fixed, 40 more with micro-batches (accumulators), and 0.05 a row
@@ -172,8 +172,8 @@ def test_when_what_planning_left_rules_out_every_fit_checkpointing_is_planned_ne
     planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=200 * mib, verbose=False)
     assert (planned.micro_batches, planned.segments) == (1, 2) and planned.budget_bytes == 200 * mib, planned
     assert planned.left_bytes > 130 * mib and planned.peak_bytes <= planned.budget_bytes, planned  # real: +-1 MiB
-    first = [c for c in planned.table if c.segments is None and c.measured_bytes is not None]
-    assert first and all("planning left" in c.note for c in first), planned
+    ruled_out = [c for c in planned.table if c.segments is None and "planning left" in c.note]  # the first round's
+    assert ruled_out and all(c.fits is False for c in ruled_out), planned
 
 
 @pytest.mark.parametrize("accumulators", [110, 90])  # no micro-batched step fits / 16 fit at the edge
@@ -200,6 +200,73 @@ def test_where_nothing_fits_clear_a_step_predicted_just_over_is_measured(rng, mo
     assert (planned.micro_batches, planned.segments) == (1, None), planned
     assert chosen.predicted_bytes > 0.95 * budget, planned
     assert chosen.measured_bytes < 113 * mib and planned.peak_bytes <= 0.95 * budget, planned
+
+
+def test_where_a_checkpointed_plain_step_fits_first_what_planning_left_sends_a_second_round_to_its_family(
+    rng, monkeypatch
+):
+    # Peaks (MiB): 20 fixed, 90 more with micro-batches (accumulators), 0.16 a row per micro-batch
+    # unchecked, 0.056 checkpointed. Budget 200 (190 allowed): unchecked, 8 micro-batches fit (151);
+    # the checkpointed plain step (135, measured first: half its 328 MiB of activations recomputed
+    # could bring its unchecked 348 within 190) fits, faster. Planning "leaves" 60 MiB: both are ruled
+    # out; the checkpointed micro-batched family, never traced, is explored within the other 140.
+    mib, real, released = 2**20, effgrad.memory.current_bytes, []
+
+    def run(self, c, calls, rows):
+        per_row = 0.16 if c.segments is None else 0.056
+        peak = 20 + (90 if c.micro_batches > 1 else 0) + per_row * math.ceil(rows / c.micro_batches)
+        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
+
+    def release_and_leave(self, keep=None):
+        released.append(True)
+        return None
+
+    monkeypatch.setattr(planner._Planner, "_run", run)
+    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 90 * mib)
+    monkeypatch.setattr(planner._Planner, "release", release_and_leave)
+    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: real(device) + 60 * mib * bool(released))
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=200 * mib, verbose=False)
+    assert planned.segments and planned.micro_batches > 1 and planned.peak_bytes <= 200 * mib, planned
+    first = {c.key: c for c in planned.table if "planning left" in c.note}
+    assert (1, 2, False, None) in first and not any(k[1] == 2 and k[0] > 1 for k in first), planned
+
+
+def _with_checkpointed(fake, peak):
+    """``fake`` whose checkpointed steps peak at ``peak`` (taking 1.3 s)."""
+    unchecked = fake.measure
+
+    def measure(k, segments=None, fused=False, calls=3, fused_loss=None):
+        if segments is None:
+            return unchecked(k, segments, fused, calls)
+        c = fake.candidate(k, segments, fused)
+        c.measured_bytes, c.seconds = peak, 1.3
+        c.fits = c.measured_bytes <= 950
+        return c
+
+    fake.measure = measure
+    return fake
+
+
+@pytest.mark.parametrize(
+    "unchecked, checkpointed, measured, first",
+    [
+        (lambda rows: 600 + 15 * rows, 850, True, True),  # 1080 with 480 of activations: 840 possible
+        (lambda rows: 600 + 15 * rows, 920, True, False),  # fits, but not half the margin clear: explored
+        (lambda rows: 900 + 5 * rows, 850, False, False),  # 1060 with 160: at best 980, over 950
+    ],
+)
+def test_the_checkpointed_plain_step_is_measured_first_where_recompute_could_bring_it_within_the_limit(
+    unchecked, checkpointed, measured, first
+):
+    # Batch 32, 950 allowed, predictions within 900: the unchecked plain step is predicted over; with
+    # 2 segments half of its activations at most are recomputed.
+    fake = _with_checkpointed(_fake_planner(unchecked, lambda k, rows: 1.0 + 0.05 * k, sub_batches=False), checkpointed)
+    fake.explore(None)
+    assert fake.candidate(1).measured_bytes is None and fake.candidate(1).note == "predicted over budget"
+    assert fake.plain_first(2) == first
+    assert (fake.candidate(1, 2).measured_bytes is not None) == measured
+    assert all(c.seconds is None for c in fake.candidates.values() if c.segments and c.micro_batches > 1)
 
 
 def test_the_optimizer_state_counts_as_the_allocator_holds_it(rng, monkeypatch):

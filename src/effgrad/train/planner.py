@@ -19,7 +19,9 @@ Algorithm::
                                 fused_update=True (each update inside backprop) where weights
                                 outweigh activations
         checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
-                                recompute fits with fewer than 8 micro-batches
+                                recompute fits with fewer than 8 micro-batches; the plain step
+                                first where the share of its activations recomputed could bring
+                                it within the limit (no further trace if it fits clear)
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
                                 step plus 1.5 copies of a micro-batch's logits; faster where it fits
                                 (the plain step unfused is tried before the fused one: a clear fit
@@ -30,8 +32,8 @@ Algorithm::
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
     (TensorFlow keeps traced graphs and some of their buffers; training runs next to them);
-    where that rules out every fit found without checkpointing, which was then not tried, a
-    second round plans the checkpointed families within the budget less what was left
+    where that rules out every fit, a second round plans again within the budget less what was
+    left
     hand the chosen family's step to training (build_train_step(micro_batches="auto") runs
     it: no second trace; attach takes its accumulators, as allocated, which the peaks counted)
 
@@ -680,6 +682,29 @@ class _Planner:
                 peak -= gathered - 2 * self.largest_bytes
         return int(peak)
 
+    def plain_first(self, segments: int) -> bool:
+        """Measures the checkpointed plain step before its family's line, where checkpointing could bring
+        the plain step within the limit; whether it fits with half the margin to spare (then the
+        checkpointed micro-batched family, slower, is not traced; if what planning leaves on the device
+        rules the plain step out, a second round plans within the budget less it).
+
+        ``segments`` segments keep at least a ``1 / segments`` share of the activations alive at once, so
+        the plain step could fit only if its peak without checkpointing (measured, or predicted from the
+        line) less the other share of its activations is within the limit. Where it is, the plain step
+        is the likely answer: the GPT-2 LM at 50-70% of the way from its floor to its plain peak,
+        predicted unchecked at 382 MiB with 144 MiB of activations, measured 298-303 MiB with 2
+        segments, for a 331-344 MiB limit; its family's line and a point further out came first, 10 s
+        of 23 of planning.
+        """
+        plain = self.candidates.get((1, None, False, None))
+        if self.fewest > 1 or plain is None or plain.peak_bytes is None or len(self._points(None)) < 2:
+            return False
+        activations = self.fitted(None)[1] * self.batch
+        if plain.peak_bytes - activations * (1 - 1 / segments) > self.limit:
+            return False
+        c = self.measure(1, segments)
+        return bool(c.fits) and c.measured_bytes <= self.limit_of(c) - self.margin / 2 * self.budget
+
     def explore(self, segments: int | None, most: int = 3) -> None:
         """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
 
@@ -811,13 +836,17 @@ class _Planner:
         prediction less than half the margin over their limit, the fastest first (fewest micro-batches, no
         recompute), until one fits (at most ``most``: each may be a trace). A prediction is the line's
         guess, and half the margin is its error allowed the other way; a fit at the edge can be ruled out
-        by what planning leaves on the device, counted after. The GPT-2 LM's checkpointed plain step,
+        by what planning leaves on the device, counted after (then only what would be faster is measured:
+        a slower fallback measured over, twice, in 7 s). The GPT-2 LM's checkpointed plain step,
         predicted 0.1-3.5 MiB over the limit in used processes, was not measured and "Nothing fits" was
         said (once next to a fit at the edge, which the 7.5 MiB planning left then ruled out); it measured
         296-313 MiB of the 331 allowed in other processes."""
+        best = self.best()  # a fit at the edge: only what would be faster (fewer micro-batches, segments)
+        rank = lambda c: (c.micro_batches, c.segments or 0)  # noqa: E731
         near = [c for c in self.candidates.values() if c.measured_bytes is None and c.note == "predicted over budget"
-                and c.predicted_bytes <= self.limit_of(c) + self.margin / 2 * self.budget]  # fmt: skip
-        for c in sorted(near, key=lambda c: (c.micro_batches, c.segments or 0, c.predicted_bytes))[:most]:
+                and c.predicted_bytes <= self.limit_of(c) + self.margin / 2 * self.budget
+                and (best is None or rank(c) < rank(best))]  # fmt: skip
+        for c in sorted(near, key=lambda c: (*rank(c), c.predicted_bytes))[:most]:
             c.fits, c.note = None, ""
             if self.measure(c.micro_batches, c.segments, c.fused_update, fused_loss=c.fused_loss).fits:
                 return
@@ -896,16 +925,16 @@ def _segment_choices(model) -> list[int]:
 
 
 def _second_round(first_table, left: int, started: float, *args, budget: int, verbose: bool, **kwargs) -> MemoryPlan:
-    """The checkpointed families, planned within ``budget`` less the ``left`` bytes the first round left
-    on the device (the reserve is then half the margin of that); the plan as of the whole budget, the
-    first round's table included."""
+    """Plans again within ``budget`` less the ``left`` bytes the first round left on the device (the
+    reserve is then half the margin of that); the plan as of the whole budget, the first round's table
+    included."""
     if verbose:
-        _say(f"nothing fits next to the {left / _MIB:,.1f} MiB planning left on the device: checkpointing, counting it")
+        _say(f"nothing fits next to the {left / _MIB:,.1f} MiB planning left on the device: planning within the rest")
     try:
-        second = _plan(*args, budget=budget - left, verbose=verbose, checkpointed_only=True, **kwargs)
+        second = _plan(*args, budget=budget - left, verbose=verbose, again=True, **kwargs)
     except ValueError as err:
         raise ValueError(
-            f"{err} (a second round, checkpointed, within the {budget / _MIB:,.1f} MiB budget less the "
+            f"{err} (a second round, within the {budget / _MIB:,.1f} MiB budget less the "
             f"{left / _MIB:,.1f} MiB the first round left on the device)"
         ) from None
     return dataclasses.replace(
@@ -995,13 +1024,13 @@ def _plan(
     margin,
     verbose,
     keep_step,
-    checkpointed_only: bool = False,
+    again: bool = False,
     **step_options,
 ) -> MemoryPlan:
     """:func:`plan`; with ``keep_step`` the plan's ``step`` is the chosen configuration's traced step, for
     training to take (:class:`PlannedTrainStep`, ``attach``) right away: one trace less, and the
-    accumulators its peaks were measured with, as they were allocated. ``checkpointed_only``: the
-    second round (below), which explores the checkpointed families only."""
+    accumulators its peaks were measured with, as they were allocated. ``again``: the second round
+    (below), which makes no third."""
     started = time.perf_counter()
     budget_bytes = parse_budget(budget)
     if not 0 <= margin < 1:
@@ -1036,13 +1065,13 @@ def _plan(
             "measuring configurations (a trace per family)"
         )
     try:
-        if not checkpointed_only:
-            planner.explore(None)
+        planner.explore(None)
         best = planner.best()
         if (best is None or best.micro_batches >= _CHECKPOINT_FROM) and not step_options.get("per_example_clip"):
             # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many.
             for segments in _segment_choices(model):
-                planner.explore(segments, most=2)
+                if not planner.plain_first(segments):
+                    planner.explore(segments, most=2)
                 found = planner.best()
                 if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
                     break
@@ -1060,10 +1089,10 @@ def _plan(
     left = memory.current_bytes() - resident
     if kept is not None and any(int(tf.size(a)) for a in kept._accumulators or []):
         left -= planner.accumulators_held(best.family)
-    left = max(0, left)
+    left, chosen = max(0, left), best
     if left:
         count_left(planner.candidates.values(), left, planner.limit_of)
-        chosen, best = best, planner.best()
+        best = planner.best()
         if kept is not None and best is not chosen:
             if best is not None and best.family == chosen.family:
                 kept.micro_batches = best.micro_batches  # the same trace and accumulators: k is a runtime value
@@ -1074,11 +1103,12 @@ def _plan(
         planner.candidates.values(),
         key=lambda c: (c.fused_loss is False, c.segments or 0, c.micro_batches, c.fused_update),
     )
-    # What planning left on the device ruled out the fits found without checkpointing, which was then
-    # never tried: a second round tries it, within the budget less what the first left (the GPT-2 LM
-    # in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then 18 MiB left over).
-    untried = not any(c.segments for c in table) and not step_options.get("per_example_clip")
-    if best is None and left and not checkpointed_only and untried and _segment_choices(model):
+    # What planning left on the device ruled out every fit: a second round plans within the budget less
+    # it, where what was not measured, or not traced, may fit (the GPT-2 LM in a used process: 4
+    # micro-batches measured 354 MiB of 355 allowed, then 18 MiB were left, and checkpointing had never
+    # been tried; a checkpointed plain step measured first fits, its micro-batched family never traced;
+    # a slower micro-batch count, not measured).
+    if best is None and chosen is not None and not again:
         return _second_round(
             table, left, started, model, loss, optimizer, x, y, budget=budget_bytes, sample_weight=sample_weight,
             strategy=strategy, margin=margin, verbose=verbose, keep_step=keep_step, **step_options,
