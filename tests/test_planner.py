@@ -236,7 +236,7 @@ def _with_checkpointed(fake, peak):
     """``fake`` whose checkpointed steps peak at ``peak`` (taking 1.3 s)."""
     unchecked = fake.measure
 
-    def measure(k, segments=None, fused=False, calls=3, fused_loss=None):
+    def measure(k, segments=None, fused=False, calls=2, fused_loss=None):
         if segments is None:
             return unchecked(k, segments, fused, calls)
         c = fake.candidate(k, segments, fused)
@@ -403,7 +403,7 @@ def _fake_planner(peak, seconds, sub_batches):
     fake.held = {}
     fake.sub_batches, fake.points, fake.limit = sub_batches, {}, 950
 
-    def measure(k, segments=None, fused=False, calls=3):
+    def measure(k, segments=None, fused=False, calls=2):
         c = fake.candidate(k, segments, fused)
         c.measured_bytes, c.seconds = peak(-(-32 // k)), seconds(k, 32)
         c.fits = c.measured_bytes <= 950

@@ -64,8 +64,9 @@ variables, accumulators, the batch; an optimizer state planning built and
 each family's accumulators, as the allocator holds them) plus what a call
 added at its worst on the device allocator
 (:func:`effgrad.memory.measure`'s ``extra_bytes``:
-activations, gradients), the largest of three calls: independent of whatever
-else the process allocated before. Planning changes nothing: every model
+activations, gradients), the largest of two calls after the family's first
+(the call that traces): independent of whatever else the process allocated
+before. Planning changes nothing: every model
 variable (weights, BatchNorm statistics, dropout seed states), a
 ``LossScale`` passed in and the optimizer's slots and iterations are copied
 to the host first and restored when planning ends (a few steps' drift does not
@@ -489,7 +490,9 @@ class _Planner:
         """``(peak, seconds)`` of a step on the batch's first ``rows`` rows, the peak as on the whole batch.
 
         The peak varies from call to call with how the executor's threads interleave frees and
-        allocations: the largest of ``calls`` calls, and the fastest of their times.
+        allocations: the largest of ``calls`` calls, and the fastest of their times. Two calls, as the
+        line's points always had (a third cost the GPT-2 LM's plan 0.6-0.9 s per configuration): the
+        reserve (see the module's docstring) is for what more calls find.
         """
         step = self._step(c)
         whole = (self.x, self.y, self.sample_weight)
@@ -513,7 +516,7 @@ class _Planner:
         micro_batches: int,
         segments: int | None = None,
         fused: bool = False,
-        calls: int = 3,
+        calls: int = 2,
         fused_loss: bool | None = None,
     ) -> Candidate:
         candidate = self.candidate(micro_batches, segments, fused, fused_loss)
@@ -607,7 +610,7 @@ class _Planner:
         near, far = max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))
         whole = [far] if self.sub_batches and 4 * near < self.batch else [far, near]
         for r in dict.fromkeys(whole):
-            if self.measure(max(2, math.ceil(self.batch / r)), segments, calls=2).measured_bytes is None:
+            if self.measure(max(2, math.ceil(self.batch / r)), segments).measured_bytes is None:
                 return None
         if len(whole) == 1:
             for k in (2, 4):
