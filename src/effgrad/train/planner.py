@@ -26,9 +26,9 @@ Algorithm::
                                 step plus 1.5 copies of a micro-batch's logits; faster where it fits
                                 (the plain step unfused is tried before the fused one: a clear fit
                                 saves that trace)
-    nothing measured fits clear of the margin: those ruled out by a prediction within half the
-                                margin over their limit are measured, the fastest first (the
-                                prediction's error, the other way)
+    nothing measured fits: those ruled out by a prediction within half the margin over their
+                                limit are measured, the fastest first (the prediction's error,
+                                the other way)
     keep the fastest MEASURED configuration that fits (the simplest one within 5% or 5 ms
     of it: step times vary between calls), counting what planning left on the device
     (TensorFlow keeps traced graphs and some of their buffers; training runs next to them);
@@ -835,21 +835,16 @@ class _Planner:
         return self.measure(micro_batches, fused_loss=False)
 
     def near_misses(self, most: int = 2) -> None:
-        """Where nothing measured fits clear of the margin: measures the configurations ruled out by a
-        prediction less than half the margin over their limit, the fastest first (fewest micro-batches, no
-        recompute), until one fits (at most ``most``: each may be a trace). A prediction is the line's
-        guess, and half the margin is its error allowed the other way; a fit at the edge can be ruled out
-        by what planning leaves on the device, counted after (then only what would be faster is measured:
-        a slower fallback measured over, twice, in 7 s). The GPT-2 LM's checkpointed plain step,
-        predicted 0.1-3.5 MiB over the limit in used processes, was not measured and "Nothing fits" was
-        said (once next to a fit at the edge, which the 7.5 MiB planning left then ruled out); it measured
-        296-313 MiB of the 331 allowed in other processes."""
-        best = self.best()  # a fit at the edge: only what would be faster (fewer micro-batches, segments)
-        rank = lambda c: (c.micro_batches, c.segments or 0)  # noqa: E731
+        """Where nothing measured fits: measures the configurations ruled out by a prediction less than half
+        the margin over their limit, the fastest first (fewest micro-batches, no recompute), until one fits
+        (at most ``most``: each may be a trace). A prediction is the line's guess, and half the margin is
+        its error allowed the other way: the GPT-2 LM's checkpointed plain step, predicted 0.1 MiB over
+        the limit in a used process, was not measured and "Nothing fits" was said; it measured 296-313 MiB
+        of the 331 allowed in other processes. (Next to a fit at the edge, measuring them too cost the LM's
+        plan 4.5 s in vain, and what planning leaves, if it rules that fit out, sends a second round.)"""
         near = [c for c in self.candidates.values() if c.measured_bytes is None and c.note == "predicted over budget"
-                and c.predicted_bytes <= self.limit_of(c) + self.margin / 2 * self.budget
-                and (best is None or rank(c) < rank(best))]  # fmt: skip
-        for c in sorted(near, key=lambda c: (*rank(c), c.predicted_bytes))[:most]:
+                and c.predicted_bytes <= self.limit_of(c) + self.margin / 2 * self.budget]  # fmt: skip
+        for c in sorted(near, key=lambda c: (c.micro_batches, c.segments or 0, c.predicted_bytes))[:most]:
             c.fits, c.note = None, ""
             if self.measure(c.micro_batches, c.segments, c.fused_update, fused_loss=c.fused_loss).fits:
                 return
@@ -1079,7 +1074,7 @@ def _plan(
                 if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
                     break
         planner.unfused()
-        if not any(planner.fits_clear(c) for c in planner.candidates.values()):
+        if planner.best() is None:
             planner.near_misses()
         best = planner.best()
     finally:
