@@ -147,27 +147,34 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
     assert best.micro_batches == 2
 
 
+def _synthetic_peaks(monkeypatch, accumulators, per_row, checkpointed_per_row=None, plain=0.0, left=0):
+    """Makes planning measure synthetic peaks (MiB): 20 fixed, ``accumulators`` more with micro-batches
+    (``plain`` more without), ``per_row`` a row per micro-batch (``checkpointed_per_row`` checkpointed),
+    steps of 0.01 s a micro-batch (1.3x checkpointed); after its release planning "leaves" ``left`` MiB."""
+    mib, real, released = 2**20, effgrad.memory.current_bytes, []
+    checkpointed_per_row = per_row if checkpointed_per_row is None else checkpointed_per_row
+
+    def run(self, c, calls, rows):
+        slope = per_row if c.segments is None else checkpointed_per_row
+        peak = 20 + (accumulators if c.micro_batches > 1 else plain) + slope * math.ceil(rows / c.micro_batches)
+        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
+
+    monkeypatch.setattr(planner._Planner, "_run", run)
+    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: accumulators * mib)
+    if left:
+        monkeypatch.setattr(planner._Planner, "release", lambda self, keep=None: released.append(True))
+        leaving = lambda device=None: real(device) + left * mib * bool(released)  # noqa: E731
+        monkeypatch.setattr(effgrad.memory, "current_bytes", leaving)
+
+
 def test_when_what_planning_left_rules_out_every_fit_planning_again_checkpoints_next_to_it(rng, monkeypatch):
     # The GPT-2 LM in a used process: 4 micro-batches measured 354 MiB of 355 allowed, then planning
     # left 18 MiB on the device; checkpointing, never tried since something fit, was the answer.
     # Peaks as that LM's (MiB): 20 fixed, 40 more with micro-batches (accumulators), and 0.05 a row
     # per micro-batch, 0.01 checkpointed. Planning "leaves" 140 MiB of a 200 MiB budget: every step
     # without checkpointing (60 MiB and more) is ruled out; the checkpointed plain one (40.5) fits.
-    mib, real, released = 2**20, effgrad.memory.current_bytes, []
-
-    def run(self, c, calls, rows):
-        per_row = 0.05 if c.segments is None else 0.01
-        peak = 20 + (40 if c.micro_batches > 1 else 0) + per_row * math.ceil(rows / c.micro_batches)
-        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
-
-    def release_and_leave(self, keep=None):
-        released.append(True)
-        return None
-
-    monkeypatch.setattr(planner._Planner, "_run", run)
-    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 40 * mib)
-    monkeypatch.setattr(planner._Planner, "release", release_and_leave)
-    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: real(device) + 140 * mib * bool(released))
+    mib = 2**20
+    _synthetic_peaks(monkeypatch, accumulators=40, per_row=0.05, checkpointed_per_row=0.01, left=140)
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
     planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=200 * mib, verbose=False)
     assert (planned.micro_batches, planned.segments) == (1, 2) and planned.budget_bytes == 200 * mib, planned
@@ -182,15 +189,8 @@ def test_where_nothing_fits_a_step_predicted_just_over_is_measured(rng, monkeypa
     # Peaks (MiB): 20 fixed, 110 more with micro-batches (accumulators: none fits), 0.05 a row per
     # micro-batch; the plain step (2048 rows) is predicted 122.4 from the line but measures 10 less.
     # The model cannot be cut (else its checkpointed plain step, measured first, would fit).
-    mib, accumulators = 2**20, 110
-
-    def run(self, c, calls, rows):
-        per_micro = math.ceil(rows / c.micro_batches)
-        peak = 20 + 0.05 * per_micro + (accumulators if c.micro_batches > 1 else -10)
-        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
-
-    monkeypatch.setattr(planner._Planner, "_run", run)
-    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: accumulators * mib)
+    mib = 2**20
+    _synthetic_peaks(monkeypatch, accumulators=110, per_row=0.05, plain=-10)
     monkeypatch.setattr(planner, "_segment_choices", lambda model: [])
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
     budget = 126 * mib  # measured peaks within 119.7 MiB: the plain step is predicted 2.7 over
@@ -209,21 +209,8 @@ def test_where_a_checkpointed_plain_step_fits_first_what_planning_left_sends_a_s
     # the checkpointed plain step (135, measured first: half its 328 MiB of activations recomputed
     # could bring its unchecked 348 within 190) fits, faster. Planning "leaves" 60 MiB: both are ruled
     # out; the checkpointed micro-batched family, never traced, is explored within the other 140.
-    mib, real, released = 2**20, effgrad.memory.current_bytes, []
-
-    def run(self, c, calls, rows):
-        per_row = 0.16 if c.segments is None else 0.056
-        peak = 20 + (90 if c.micro_batches > 1 else 0) + per_row * math.ceil(rows / c.micro_batches)
-        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
-
-    def release_and_leave(self, keep=None):
-        released.append(True)
-        return None
-
-    monkeypatch.setattr(planner._Planner, "_run", run)
-    monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: 90 * mib)
-    monkeypatch.setattr(planner._Planner, "release", release_and_leave)
-    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: real(device) + 60 * mib * bool(released))
+    mib = 2**20
+    _synthetic_peaks(monkeypatch, accumulators=90, per_row=0.16, checkpointed_per_row=0.056, left=60)
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
     planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=200 * mib, verbose=False)
     assert planned.segments and planned.micro_batches > 1 and planned.peak_bytes <= 200 * mib, planned

@@ -21,7 +21,8 @@ Algorithm::
         checkpointed (checkpoint_model segments 2, then sqrt): only when no family without
                                 recompute fits with fewer than 8 micro-batches; the plain step
                                 first where the share of its activations recomputed could bring
-                                it within the limit (no further trace if it fits clear)
+                                it within the limit (no further trace if it fits with half
+                                the margin to spare)
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
                                 step plus 1.5 copies of a micro-batch's logits; faster where it fits
                                 (the plain step unfused is tried before the fused one: a clear fit
