@@ -485,6 +485,9 @@ class _Planner:
             self.steps[family] = step
         step = self.steps[family]
         step.micro_batches = c.micro_batches
+        # Refilled before the step, not by it: a peak measured around the step would count them
+        # twice (also as resident, see _run).
+        accumulate.refill_accumulators(step._accumulators or [], step.model.trainable_variables)
         return step
 
     def _run(self, c: Candidate, calls: int, rows: int) -> tuple[int, float]:
