@@ -62,7 +62,9 @@ and a clone's slots would stay on the device as long as TensorFlow keeps
 the traced steps that used them, 110 MiB on the GPT-2 LM); a configuration's
 peak is the resident state counted from shapes (model variables, optimizer
 variables, accumulators, the batch; an optimizer state planning built and
-each family's accumulators, as the allocator holds them) plus what a call
+each family's accumulators, as the allocator holds them; emptied while another
+family ran, they are refilled before the calls, or the first micro-batch's
+refill would count them twice) plus what a call
 added at its worst on the device allocator
 (:func:`effgrad.memory.measure`'s ``extra_bytes``:
 activations, gradients), the largest of two calls after the family's first
@@ -662,13 +664,16 @@ class _Planner:
     def predict(self, line, micro_batches: int, fused: bool = False, segments: int | None = None) -> int:
         """A configuration's peak from the micro-batched family's line.
 
-        One micro-batch has no accumulator. Its gradients are gathered before
-        the update as each micro-batch's are before they are added up, so the
-        line's fixed part has them already: counting them again over-predicted
-        the plain step by 18% (ResNet50, the GPT-2 LM). The accumulators come
-        off as the line counted them, as the allocator held them: their shapes
-        alone over-predicted the GPT-2 LM's checkpointed plain step by 12%
-        (55.4 MiB held 75.2), which then was not measured where it fit.
+        One micro-batch has no accumulator: they come off as the line counted
+        them, as the allocator held them (their shapes alone over-predicted the
+        GPT-2 LM's checkpointed plain step by 12%: 55.4 MiB held 75.2). Its
+        gradients wait for the update, where a micro-batch's are added up as
+        they are made: about half of them are alive at its peak on top of what
+        the line has (measured 0.34-0.72 of them on ResNet50, the GPT-2 LM and
+        three MLPs whose activations are at most 2.5x their weights; none where
+        they are 10x, a quarter of a MiB here; all of them over-predicted
+        ResNet50's and the LM's by 18%). Not when checkpointed: the peak is in
+        a segment's recompute, and the LM's measured 6-10% below the line as it is.
 
         Fused, a couple of gradients are alive at once instead of those made
         so far: all of them where the batch's activations are smaller than the
@@ -682,6 +687,8 @@ class _Planner:
         peak = fixed + activations
         if micro_batches == 1:
             peak -= self.accumulators_held((True, segments, False, None))
+            if segments is None:
+                peak += self.accumulator_bytes / 2
             if fused:
                 gathered = (
                     self.accumulator_bytes if activations <= self.accumulator_bytes else self.accumulator_bytes / 2
