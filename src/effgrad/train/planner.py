@@ -670,9 +670,9 @@ class _Planner:
         gradients wait for the update, where a micro-batch's are added up as
         they are made: about half of them are alive at its peak on top of what
         the line has (measured 0.34-0.72 of them on ResNet50, the GPT-2 LM and
-        three MLPs whose activations are at most 2.5x their weights; none where
-        they are 10x, a quarter of a MiB here; all of them over-predicted
-        ResNet50's and the LM's by 18%). Not when checkpointed: the peak is in
+        two weight-heavy MLPs; all of them over-predicted ResNet50's and the
+        LM's by 18%; on MobileNetV2, whose activations are 20x its weights, the
+        line itself over-predicts it by 12-14%). Not when checkpointed: the peak is in
         a segment's recompute, and the LM's measured 6-10% below the line as it is.
 
         Fused, a couple of gradients are alive at once instead of those made
