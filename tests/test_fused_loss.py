@@ -361,7 +361,7 @@ _KERNEL_CHILD = textwrap.dedent(
 
     gradient()
     # The least of three calls: where the allocator places the 49 MiB result (a free chunk up to twice
-    # its size counts whole) varies from call to call, and only ever adds (one call measured 1.5 kernels).
+    # its size counts whole) varies from call to call, and only ever adds.
     print("@@" + json.dumps(min(effgrad.memory.measure(gradient).extra_bytes for _ in range(3))))
     """
 )
@@ -369,10 +369,12 @@ _KERNEL_CHILD = textwrap.dedent(
 
 def test_the_kernel_gradient_is_assembled_in_one_buffer():
     # Each vocabulary chunk's gradient is written in place into the kernel-sized result. Joining
-    # the chunks at the end (tf.concat) holds the chunks and the result: two kernels.
+    # the chunks at the end (tf.concat) holds the chunks and the result: two kernels. Measured in 12
+    # processes x 6 calls: in place 1.13-1.50 kernels (a least of three at 1.495 once failed a bound
+    # of 1.4); each write made on a copy of the buffer (tf.raw_ops.DeepCopy) 2.54-3.12.
     peaks = in_fresh_processes(_KERNEL_CHILD, {"dense": ["dense"], "transposed": ["transposed"]})
     kernel = 256 * 50_000 * 4
-    assert all(peak < 1.4 * kernel for peak in peaks.values()), {k: v / kernel for k, v in peaks.items()}
+    assert all(peak < 1.8 * kernel for peak in peaks.values()), {k: v / kernel for k, v in peaks.items()}
 
 
 def test_the_kernel_gradient_is_made_after_every_other_gradient(rng):
