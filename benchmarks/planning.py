@@ -14,7 +14,9 @@ both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
   ``micro_batches`` = 1, 2, 4, ... (a trace each), real steps, until one fits;
 * ``by hand``: the plan's configuration built directly, in a fresh process: how much later the
   first trained step of ``build_train_step(micro_batches="auto")`` (planning, then the planned
-  step, whose trace training reuses) comes than this one's (a trace and a call);
+  step, whose trace training reuses) comes than this one's (a trace and a call); then its peak
+  measured again as the plan measures it: the spread between two processes' measurements of one
+  configuration, against which the predictions' errors are to be read;
 * ``fit fresh`` / ``fit used``: ``attach(micro_batches="auto", memory_budget=...)`` and ``model.fit``
   in a fresh process, and in one that trained another model first: the allocator's peak while
   ``fit`` trains with the plan (over three epochs after the one that planned), counted from
@@ -123,7 +125,17 @@ def child(config: dict) -> dict:
         trained = model if segments is None else effgrad.checkpoint_model(model, segments)
         start = time.perf_counter()
         float(effgrad.build_train_step(trained, loss, optimizer, **options)(x, y)["loss"])
-        return {"first_s": time.perf_counter() - start, "seconds": 0.0}
+        first_s = time.perf_counter() - start
+        # The same configuration measured again as the plan measures it, in this other process history
+        # (a fresh optimizer state, as planning builds one): how far apart two measurements of one
+        # configuration are, the noise a prediction's error is to be read against.
+        optimizer = keras.optimizers.Adam(1e-4)
+        built = planner.build_optimizer(optimizer, model)
+        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+        again = probe.measure(
+            options["micro_batches"], segments, options["fused_update"], fused_loss=options.get("fused_loss")
+        )
+        return {"first_s": first_s, "again": again.measured_bytes, "seconds": 0.0}
     budget = config["budget"]
     start = time.perf_counter()
     try:  # planning at the first call, which then trains on the planned step
@@ -171,7 +183,7 @@ def child(config: dict) -> dict:
             or probe.measure(c.micro_batches, c.segments, c.fused_update, fused_loss=c.fused_loss).measured_bytes
         )
         if measured:
-            errors.append(c.predicted_bytes / measured - 1)
+            errors.append((_label(c), c.predicted_bytes / measured - 1))
     probe.release()
     fitting = [c.seconds for c in plan.table if c.fits and c.seconds]
     return {
@@ -186,10 +198,25 @@ def child(config: dict) -> dict:
         "search_s": search_s,
         "search_found": "none" if found is None else f"k={found}",
         "errors": errors,
+        "chosen_measured": next(
+            c.measured_bytes
+            for c in plan.table
+            if c.key == (plan.micro_batches, plan.segments, plan.fused_update, plan.fused_loss)
+        ),
         "vs_fastest": plan.seconds_per_step / min(fitting),
         "measured": sum(c.measured_bytes is not None for c in plan.table),
         "seconds": plan_s,
     }
+
+
+def _label(c) -> str:
+    """A candidate in a few characters: ``k=2``, ``k=1 seg=2``, ``k=1 fused``, ``k=1 unfused loss``."""
+    return (
+        f"k={c.micro_batches}"
+        + (f" seg={c.segments}" if c.segments else "")
+        + (" fused" if c.fused_update else "")
+        + (" unfused loss" if c.fused_loss is False else "")
+    )
 
 
 def _mib(nbytes):
@@ -217,7 +244,9 @@ def run(quick: bool = False) -> dict:
             fits = {}
             for role in ("fit fresh",) if quick else ("fit fresh", "fit used"):
                 fits[role] = common.run_isolated(MODULE, {"model": model, "role": role, "budget": budget}, timeout=3600)
-            errors = [abs(e) for e in planned.get("errors", [])]
+            errors = [abs(e) for _, e in planned.get("errors", [])]
+            worst = sorted(planned.get("errors", []), key=lambda e: -abs(e[1]))[:2]
+            again = hand.get("again")
             rows.append(
                 {
                     "model": model,
@@ -237,6 +266,8 @@ def run(quick: bool = False) -> dict:
                     "search_found": planned.get("search_found"),
                     "error_mean_pct": 100 * sum(errors) / len(errors) if errors else None,
                     "error_max_pct": 100 * max(errors) if errors else None,
+                    "worst": ", ".join(f"{label} {100 * e:+.1f}" for label, e in worst) or None,
+                    "again_pct": None if again is None else 100 * (again / planned["chosen_measured"] - 1),
                     "fit_fresh_mib": _mib(fits["fit fresh"]["fit_peak"]),
                     "fit_used_mib": _mib(fits["fit used"]["fit_peak"]) if "fit used" in fits else None,
                     "planning_mib": max(_mib(f["planning_peak"]) or 0.0 for f in fits.values()),
@@ -251,7 +282,8 @@ def run(quick: bool = False) -> dict:
         "one (1.2x the unfused plain step's peak: the logits fit); planning time vs a "
         "doubling search of micro_batches that traces and runs a step per try; how much later the first trained step "
         "of build_train_step(micro_batches='auto') comes than the chosen configuration's built by hand; "
-        "predictions vs measurements; the "
+        "predictions vs measurements (the largest two errors by configuration, and the chosen configuration "
+        "measured again in another process: the measurements' own spread); the "
         "budget at fit level (3 epochs of model.fit with attach(micro_batches='auto')) in a fresh and a used process"
     )
     columns = [
@@ -271,6 +303,8 @@ def run(quick: bool = False) -> dict:
         ("search_found", "doubling found", ""),
         ("error_mean_pct", "pred. err mean %", ".1f"),
         ("error_max_pct", "pred. err max %", ".1f"),
+        ("worst", "largest errors %", ""),
+        ("again_pct", "chosen measured again, fresh process, vs the plan's %", "+.1f"),
         ("fit_fresh_mib", "fit peak fresh MiB", ",.1f"),
         ("fit_used_mib", "fit peak used MiB", ",.1f"),
         ("fit_within", "fit within budget (fresh / used)", ""),
