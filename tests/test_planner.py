@@ -157,7 +157,7 @@ def _synthetic_peaks(monkeypatch, accumulators, per_row, checkpointed_per_row=No
     def run(self, c, calls, rows):
         slope = per_row if c.segments is None else checkpointed_per_row
         peak = 20 + (accumulators if c.micro_batches > 1 else plain) + slope * math.ceil(rows / c.micro_batches)
-        return int(peak * mib), 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
+        return [int(peak * mib)] * calls, 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
 
     monkeypatch.setattr(planner._Planner, "_run", run)
     monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: accumulators * mib)
@@ -521,6 +521,35 @@ def test_the_line_measures_slices_of_the_batch_and_counts_the_whole_batch(rng, m
     whole = made.measure(16).measured_bytes  # 128 rows per micro-batch, as the point: on the whole batch
     assert abs(point.peak_bytes - whole) <= 2**20, (point.peak_bytes - whole) / 2**20
     made.release()
+
+
+@pytest.mark.parametrize(
+    "first, then, fits, runs",
+    [
+        ((800, 805), None, True, 1),  # clear of the limit (950) by more than the margin (100): two calls
+        ((880, 885), (882, 890), True, 2),  # at the edge: two more; 890 + 10 of spread is within
+        ((900, 910), (905, 930), False, 2),  # 930 + 30 of spread is over (two calls alone: 910, a fit)
+    ],
+)
+def test_a_fit_at_the_edge_of_the_limit_is_called_twice_more_and_its_spread_counts(rng, first, then, fits, runs):
+    # Training's calls go higher than the plan's two: ResNet50 in a used process, 4 micro-batches measured
+    # at 440-450 MiB of 450.9 allowed, peaked at fit level at up to 475.3 MiB of a 474.6 MiB budget.
+    mib, calls = 2**20, []
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 256)
+    probe = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 1000 * mib, 0.1, {}, False)
+    assert probe.limit == 950 * mib
+
+    def run(c, n, rows):
+        calls.append(n)
+        return [p * mib for p in (first, then)[len(calls) - 1]], 0.01
+
+    probe._run = run
+    c = probe.measure(2)
+    assert len(calls) == runs and c.fits is fits, (calls, c)
+    assert c.measured_bytes == max(first + (then or ())) * mib
+    assert c.spread_bytes == (0 if then is None else (max(first + then) - min(first + then)) * mib)
+    assert fits or "spread" in c.note, c
+    probe.release()
 
 
 def test_a_fit_at_the_edge_of_the_limit_does_not_stop_the_search():
