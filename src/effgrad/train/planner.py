@@ -418,10 +418,14 @@ class _Planner:
             return self.budget - max(self.reserve, self.largest_bytes)
         return self.limit
 
+    def clear_of(self, c: Candidate) -> float:
+        """What ``c``'s measured peak must stay within to fit the whole margin below its limit."""
+        return self.limit_of(c) - self.margin * self.budget
+
     def fits_clear(self, c: Candidate) -> bool:
         """Whether ``c`` measured a fit the whole margin below its limit: one that needs no fallback (what
         planning leaves on the device, counted once it is done, cannot rule it out)."""
-        return bool(c.fits) and c.measured_bytes <= self.limit_of(c) - self.margin * self.budget
+        return bool(c.fits) and c.measured_bytes <= self.clear_of(c)
 
     def accumulators_held(self, family: tuple) -> int:
         """What a micro-batched family's accumulators hold on the allocator: as allocated, at least their shapes."""
@@ -538,7 +542,7 @@ class _Planner:
         try:
             peaks, candidate.seconds = self._run(candidate, calls, self.batch)
             limit = self.limit_of(candidate)
-            if limit - self.margin * self.budget < max(peaks) <= limit:
+            if self.clear_of(candidate) < max(peaks) <= limit:
                 # A fit within the margin of its limit: training's calls can go higher than two did
                 # (ResNet50's 4 micro-batches: 67-85 MiB above the resident state over 4 calls; plans
                 # that measured them at 440-450 MiB of 450.9 allowed peaked at fit level at up to
