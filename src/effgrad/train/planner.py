@@ -475,10 +475,14 @@ class _Planner:
                 self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
-    def waiting_bytes(self, segments: int) -> int:
-        """Float32 gradients a checkpointed plain step holds when it recomputes its first segment, where its
-        peak is (segments hold about equal activations, and the first is recomputed last): those of every
-        variable outside that segment, waiting for the update. Not a fused loss's kernel, made after."""
+    def waiting_bytes(self, segments: int | None) -> float:
+        """Float32 gradients a plain step holds at its peak, waiting for the update (see :meth:`predict`).
+
+        Unchecked, about half of them. Checkpointed, the peak is where the first segment is recomputed
+        (segments hold about equal activations, and the first is recomputed last): those of every
+        variable outside that segment. Not a fused loss's kernel, made after."""
+        if segments is None:
+            return self.accumulator_bytes / 2
         if segments not in self._waiting:
             from effgrad.remat.checkpointing import Checkpoint
 
@@ -740,7 +744,7 @@ class _Planner:
         peak = fixed + activations
         if micro_batches == 1:
             peak -= self.accumulators_held((True, segments, False, None))
-            waiting = self.accumulator_bytes / 2 if segments is None else self.waiting_bytes(segments)
+            waiting = self.waiting_bytes(segments)
             if fused:  # each update inside backprop: a couple of gradients alive instead of those waiting
                 gathered = waiting
                 if segments is None and activations <= self.accumulator_bytes:
@@ -769,7 +773,7 @@ class _Planner:
         if self.fewest > 1 or plain is None or plain.peak_bytes is None or len(self._points(None)) < 2:
             return False
         activations = self.fitted(None)[1] * self.batch
-        waiting = self.waiting_bytes(segments) - self.accumulator_bytes / 2
+        waiting = self.waiting_bytes(segments) - self.waiting_bytes(None)
         if plain.peak_bytes + waiting - activations * (1 - 1 / segments) > self.limit:
             return False
         return self.fits_clear(self.measure(1, segments))
