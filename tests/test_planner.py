@@ -1,5 +1,6 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
+import gc
 import json
 import math
 import textwrap
@@ -618,6 +619,52 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng):
     after = [v.numpy() for v in [*model.variables, *optimizer.variables]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
+    # Planning freezes the collector's objects while it runs (its collections walk only what it made)
+    # and leaves the freeze as it found it: none, or the caller's own.
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        effgrad.plan(model, _LOSS, optimizer, x, y, budget="1GiB")
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_planning_keeps_its_copy_of_the_state_off_the_device(rng):
+    # Planning restores the weights and the optimizer's state from a copy in host memory. A read of a
+    # CPU variable shares its buffer: kept as the copy, the step's first update would copy every
+    # variable on the device (ResNet50's planning held 685 MiB of a 535 MiB budget that way). Weights
+    # and Adam's state are 3 x 32 MiB here, the activations of 64 rows next to nothing.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(2048), keras.layers.Dense(2048),
+                              keras.layers.Dense(4)])  # fmt: skip
+    x, y = _data(rng, (2048,), 64)
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    base = effgrad.memory.current_bytes()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    plan = effgrad.plan(model, _LOSS, optimizer, x, y, budget="1GiB")
+    held = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+    state = planner._bytes([*model.variables, *optimizer.variables])
+    assert state > 90 * 2**20
+    peaks = [c.measured_bytes - state for c in plan.table if c.measured_bytes]  # each step's own, beyond the state
+    assert held < max(peaks) + state / 2, (held / 2**20, [p / 2**20 for p in peaks], state / 2**20)
+
+
+def test_planning_under_a_mirrored_strategy_restores_every_replica(rng, strategy):
+    with strategy.scope():
+        model = _conv()
+        optimizer = keras.optimizers.Adam(1e-3)
+    x, y = _data(rng, (16, 16, 3), 64)
+    effgrad.build_train_step(model, _LOSS, optimizer, strategy=strategy)(x, y)
+    state = [v.value for v in [*model.variables, *optimizer.variables]]  # the tf.distribute variables
+    before = [[r.numpy().copy() for r in v.values] for v in state]
+    plan = effgrad.plan(model, _LOSS, optimizer, x, y, budget="1GiB", strategy=strategy)
+    assert any(c.measured_bytes for c in plan.table)  # steps ran, on both replicas
+    for values, v in zip(before, state):
+        assert len(v.values) == 2
+        for a, r in zip(values, v.values):
+            np.testing.assert_array_equal(a, r.numpy())
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_dominates(rng):
