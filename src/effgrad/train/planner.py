@@ -341,8 +341,8 @@ def _micro_batch_choices(batch: int) -> list[int]:
 
 
 def _components(variables: list) -> list[tf.Variable]:
-    """The ``tf.Variable`` s that hold ``variables``' values: a ``tf.distribute`` variable's one per replica,
-    which can differ (Keras's BatchNormalization statistics, mirrored, are updated per replica)."""
+    """The ``tf.Variable`` objects holding ``variables``' values: one per replica for a ``tf.distribute``
+    variable, whose replicas can differ (Keras updates mirrored BatchNormalization statistics per replica)."""
     held = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     return [c for v in held for c in getattr(v, "values", (v,))]
 
