@@ -1,6 +1,5 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
-import gc
 import json
 import math
 import textwrap
@@ -367,14 +366,16 @@ def test_where_its_logits_fit_the_unfused_loss_is_measured_and_training_takes_th
     fused, unfused = (next(c for c in roomy.table if c.key == (1, None, False, f)) for f in (None, False))
     logits = 256 * 20000 * 4
     assert fused.note == "not measured: the unfused loss fits and is faster" and unfused.fits, roomy
-    assert unfused.measured_bytes > fused.predicted_bytes + logits // 2, roomy
     # Chosen unless another step measured faster beyond timing noise: here 15 ms against 30 ms for the
     # fused step with 4 micro-batches, but CI's other worker once made it the slower (k=2 fused chosen).
     assert roomy.fused_loss is False or not planner.same_speed(unfused.seconds, roomy.seconds_per_step), roomy
     assert "fused_loss=False" in unfused.describe() and " made " in str(roomy)
     fused = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget="1GiB", verbose=False, fused_loss=True)
     plain = next(c for c in fused.table if c.key == (1, None, False, None))
-    assert fused.fused_loss is None and plain.fits and plain.measured_bytes < unfused.measured_bytes, fused
+    # The unfused step made the logits: half of them at least above the fused step's measured peak (its
+    # prediction from the line, in the roomy plan, was 50% high in 1 of 6 test runs after other tests).
+    assert fused.fused_loss is None and plain.fits, fused
+    assert plain.measured_bytes + logits // 2 < unfused.measured_bytes, (plain, unfused)
     # Training runs what was chosen: the planned step fuses its loss unless the plan chose otherwise.
     step = effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(0.01), micro_batches="auto",
                                     memory_budget="1GiB", verbose=False)  # fmt: skip
@@ -619,15 +620,6 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng):
     after = [v.numpy() for v in [*model.variables, *optimizer.variables]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
-    # Planning freezes the collector's objects while it runs (its collections walk only what it made)
-    # and leaves the freeze as it found it: none, or the caller's own.
-    assert gc.get_freeze_count() == 0
-    gc.freeze()
-    try:
-        effgrad.plan(model, _LOSS, optimizer, x, y, budget="1GiB")
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
 
 
 def test_planning_keeps_its_copy_of_the_state_off_the_device(rng):
@@ -657,8 +649,11 @@ def test_planning_under_a_mirrored_strategy_restores_every_replica(rng, strategy
         optimizer = keras.optimizers.Adam(1e-3)
     x, y = _data(rng, (16, 16, 3), 64)
     effgrad.build_train_step(model, _LOSS, optimizer, strategy=strategy)(x, y)
+    # Keras updates mirrored BatchNormalization statistics on each replica from its own half of the batch:
+    # their replicas differ, and a restore of one value to every replica would change the other's.
     state = [v.value for v in [*model.variables, *optimizer.variables]]  # the tf.distribute variables
     before = [[r.numpy().copy() for r in v.values] for v in state]
+    assert any(not np.array_equal(*values) for values in before)
     plan = effgrad.plan(model, _LOSS, optimizer, x, y, budget="1GiB", strategy=strategy)
     assert any(c.measured_bytes for c in plan.table)  # steps ran, on both replicas
     for values, v in zip(before, state):
