@@ -356,6 +356,11 @@ def _host_copies(variables: list) -> list[np.ndarray]:
     return [c.numpy().copy() for c in _components(variables)]
 
 
+def _gradient_bytes(variable) -> int:
+    """The size of ``variable``'s gradient: float32, as the step accumulates and applies them."""
+    return 4 * int(np.prod(variable.shape))
+
+
 def _rows(batch: int, micro_batches: int) -> int:
     return math.ceil(batch / micro_batches)
 
@@ -392,18 +397,18 @@ class _Planner:
         # a buffer placed in a free chunk less than twice its size takes the whole chunk (measured: Adam's
         # 110.7 MiB of GPT-2 LM slots held 133.6 MiB), and training keeps the state as it was allocated.
         self.state_bytes = max(_bytes(self.optimizer.variables), built_bytes)
-        self.accumulator_bytes = 4 * sum(int(np.prod(v.shape)) for v in trained)
+        self.accumulator_bytes = sum(map(_gradient_bytes, trained))
         # The same for each micro-batched family's accumulators, made when its step is (training takes the
         # chosen family's as they are): the GPT-2 LM's 55.4 MiB held 75.2 in a fresh process, and the
         # plans that counted shapes went over at fit level, by up to 15 MiB (k=2, checkpointed).
         self.held: dict[tuple, int] = {}
-        self.largest_bytes = 4 * max(int(np.prod(v.shape)) for v in trained)
+        self.largest_bytes = max(map(_gradient_bytes, trained))
         # Measured peaks must leave this free (see the module's docstring), predictions half the margin more.
         # A fused loss makes its kernel's gradient after the backward pass, where it measured no placement
         # outliers: that variable is not the one whose gradient may land in a chunk twice its size.
         head = _fused_head(model, loss, options, self.x, self.y)
         self.later = None if head is None else head.kernel()
-        self.placed_bytes = 4 * max([int(np.prod(v.shape)) for v in trained if v is not self.later] or [0])
+        self.placed_bytes = max([_gradient_bytes(v) for v in trained if v is not self.later] or [0])
         self.reserve = max(margin / 2 * budget, self.placed_bytes)
         self.limit = budget - self.reserve
         # Where "auto" fuses the loss, the unfused step (a third fewer of the head's matmuls) is faster
@@ -504,8 +509,8 @@ class _Planner:
 
             first = next((layer for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)), None)
             inside = {id(v) for v in (first.trainable_variables if first is not None else ())} | {id(self.later)}
-            self._waiting[segments] = 4 * sum(
-                int(np.prod(v.shape)) for v in self.model.trainable_variables if id(v) not in inside
+            self._waiting[segments] = sum(
+                _gradient_bytes(v) for v in self.model.trainable_variables if id(v) not in inside
             )
         return self._waiting[segments]
 
