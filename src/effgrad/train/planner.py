@@ -347,13 +347,16 @@ def _components(variables: list) -> list[tf.Variable]:
     return [c for v in held for c in getattr(v, "values", (v,))]
 
 
-def _host_copies(variables: list) -> list[np.ndarray]:
+def _host_copies(variables: list) -> list[np.ndarray | None]:
     """Copies of the values of ``variables``' components (:func:`_components`) in host memory, outside
-    the allocator planning measures, for :meth:`_Planner.restore`. A copy, not a read: on CPU a read
-    shares the variable's buffer, and the step's first update then copies every variable on the
-    device (copy on write): ResNet50's planning held 685 MiB of a 535 MiB budget that way, 270 MiB
-    of weights and Adam's state twice."""
-    return [c.numpy().copy() for c in _components(variables)]
+    the allocator planning measures, for :meth:`_Planner.restore`; ``None`` for a value of zeros.
+
+    A copy, not a read: on CPU a read shares the variable's buffer, and the step's first update then
+    copies every variable on the device (copy on write): ResNet50's planning held 685 MiB of a 535 MiB
+    budget that way, 270 MiB of weights and Adam's state twice. Zeros are not copied (the slots of an
+    optimizer planning built: 180 of those 270 MiB; the snapshot took 0.3 s, most of it writing new
+    host pages), the read that found them dropped at once."""
+    return [a.copy() if a.any() else None for a in (c.numpy() for c in _components(variables))]
 
 
 def _gradient_bytes(variable) -> int:
@@ -552,8 +555,9 @@ class _Planner:
         peak as on the whole batch, and the fastest of their times.
 
         The peak varies from call to call with how the executor's threads interleave frees and
-        allocations. Two calls, as the line's points always had (a third cost the GPT-2 LM's plan
-        0.6-0.9 s per configuration); two more at the edge of the limit (:meth:`measure`).
+        allocations. Two calls of a candidate (a third cost the GPT-2 LM's plan 0.6-0.9 s per
+        configuration), two more at the edge of the limit (:meth:`measure`); a line point on a slice,
+        one call in each of two configurations (:meth:`line`).
         """
         step = self._step(c)
         whole = (self.x, self.y, self.sample_weight)
@@ -616,11 +620,12 @@ class _Planner:
         return candidate
 
     def probe(self, micro_batches: int, rows: int, segments: int | None) -> bool:
-        """Measures a line point on the batch's first ``rows`` rows (two calls); ``False`` if out of memory."""
+        """Measures a line point on the batch's first ``rows`` rows (one call: :meth:`line` measures each
+        point twice, in two configurations); ``False`` if out of memory."""
         if any((p.micro_batches, p.rows) == (micro_batches, rows) for p in self.points.get(segments, [])):
             return True
         try:
-            peaks, seconds = self._run(Candidate(micro_batches, segments), 2, rows)
+            peaks, seconds = self._run(Candidate(micro_batches, segments), 1, rows)
             peak = max(peaks)
         except tf.errors.ResourceExhaustedError:
             return False
@@ -643,7 +648,7 @@ class _Planner:
 
     def restore(self) -> None:
         for variable, value in zip(_components(self.state), self.snapshot, strict=True):
-            variable.assign(value)
+            variable.assign(tf.zeros(variable.shape, variable.dtype) if value is None else value)
 
     def release(self, keep: Candidate | None = None) -> TrainStep | None:
         """Drops what planning made on the device (steps, their accumulators), but for ``keep``'s step,
@@ -692,6 +697,12 @@ class _Planner:
             for k in (2, 4):
                 if not self.probe(k, k * near, segments):
                     return None
+            # One call each, at the same rows per micro-batch: the point's peak is the larger, as two calls
+            # of one configuration gave it. A first call on a new shape is no slower (ResNet50: 0.20 and
+            # 0.20 s, the GPT-2 LM 0.26 and 0.26 s), and the second calls took 0.55-0.8 s of their plans.
+            same = [p for p in self.points[segments] if p.per_micro == near]
+            for p in same:
+                p.peak_bytes = max(q.peak_bytes for q in same)
         return self.fitted(segments)
 
     def _points(self, segments: int | None) -> list[_Point]:
@@ -799,10 +810,12 @@ class _Planner:
             return False
         return self.fits_clear(self.measure(1, segments))
 
-    def explore(self, segments: int | None, most: int = 3) -> None:
+    def explore(self, segments: int | None, most: int = 3, fewer_than: int | None = None) -> None:
         """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
 
         The micro-batched family first (its line is measured on the same trace), then one micro-batch.
+        With ``fewer_than``, micro-batch counts from it on are left for a later call (neither measured nor
+        ruled out), where checkpointing is tried first (:func:`_plan`).
         """
         if self.line(segments) is None:
             return
@@ -850,7 +863,11 @@ class _Planner:
             self.try_unfused(1)
         measure_plain(plain)
         tries = max(most - len(fitting(micro=False)), 1)
-        while tries and (micro := fitting(micro=True)):
+
+        def micro_batched() -> list[Candidate]:
+            return [c for c in fitting(micro=True) if fewer_than is None or c.micro_batches < fewer_than]
+
+        while tries and (micro := micro_batched()):
             # The fastest predicted first; one predicted no faster than a measured fitting step is not measured
             # (as fast, it could not replace that step, simpler or measured first: best(); the GPT-2 LM at a
             # roomy budget measured 2 micro-batches, predicted 3% slower than the plain step, in vain),
@@ -860,7 +877,7 @@ class _Planner:
             # 13.2 MiB left over; at a 506 MiB budget, more than half the margin was left, before the second
             # round, and "Nothing fits" was said).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
-            fastest = [m.seconds for m in self.candidates.values() if m.segments == segments and self.fits_clear(m)]
+            fastest = [m.seconds for m in self.candidates.values() if self.fits_clear(m)]
             predicted = self.seconds(segments, c.micro_batches)
             if fastest and predicted is not None and predicted >= min(fastest):
                 c.note = f"not measured: predicted {predicted:.3f} s/step, no faster than a measured fit"
@@ -871,6 +888,8 @@ class _Planner:
         for c in self.candidates.values():
             if c.segments == segments and c.measured_bytes is None and not c.note:
                 over = c.predicted_bytes is not None and c.predicted_bytes > sure
+                if not over and fewer_than is not None and c.micro_batches >= fewer_than:
+                    continue  # left for the later call
                 c.fits = False if over else c.fits
                 c.note = "predicted over budget" if over else "not measured: fewer micro-batches fit"
 
@@ -1156,18 +1175,28 @@ def _plan(
             f"batch {planner.batch}, budget {budget_bytes / _MIB:,.1f} MiB, floor {floor / _MIB:,.1f} MiB; "
             "measuring configurations (a trace per family)"
         )
+    # What exists now is left out of release's collection, which then looks at what planning made only
+    # (ResNet50: 0.23 s less); unless the process froze objects of its own (a pre-forking server).
+    freeze = not gc.get_freeze_count()
+    if freeze:
+        gc.freeze()
     best = None  # what release keeps if planning fails
     try:
-        planner.explore(None)
+        # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many. Those
+        # many are measured after checkpointing, only if predicted faster than what it found: the GPT-2
+        # LM's 8 micro-batches took 1.7 s of calls where its checkpointed plain step fit, 30% faster.
+        checkpointing = [] if step_options.get("per_example_clip") else _segment_choices(model)
+        planner.explore(None, fewer_than=_CHECKPOINT_FROM if checkpointing else None)
         best = planner.best()
-        if (best is None or best.micro_batches >= _CHECKPOINT_FROM) and not step_options.get("per_example_clip"):
-            # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many.
-            for segments in _segment_choices(model):
+        if best is None or best.micro_batches >= _CHECKPOINT_FROM:
+            for segments in checkpointing:
                 if not planner.plain_first(segments):
                     planner.explore(segments, most=2)
                 found = planner.best()
                 if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
                     break
+        if checkpointing:
+            planner.explore(None)
         planner.unfused()
         if planner.best() is None:
             planner.near_misses()
@@ -1175,6 +1204,8 @@ def _plan(
     finally:
         planner.restore()
         kept = planner.release(keep=best if keep_step else None)
+        if freeze:
+            gc.unfreeze()
     # What planning left on the device (TensorFlow keeps every traced graph and some of its buffers
     # for the life of the process: measured 7-37 MiB after planning ResNet50, varying run to run)
     # stays there while training runs: each measured peak carries it. Accumulators handed to
