@@ -1,5 +1,6 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -154,7 +155,7 @@ def _synthetic_peaks(monkeypatch, accumulators, per_row, checkpointed_per_row=No
     mib, real, released = 2**20, effgrad.memory.current_bytes, []
     checkpointed_per_row = per_row if checkpointed_per_row is None else checkpointed_per_row
 
-    def run(self, c, calls, rows):
+    def run(self, c, calls, rows, over=None):
         slope = per_row if c.segments is None else checkpointed_per_row
         peak = 20 + (accumulators if c.micro_batches > 1 else plain) + slope * math.ceil(rows / c.micro_batches)
         return [int(peak * mib)] * calls, 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
@@ -569,7 +570,7 @@ def test_a_fit_at_the_edge_of_the_limit_is_called_twice_more_and_its_spread_coun
     probe = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 1000 * mib, 0.1, {}, False)
     assert probe.limit == 950 * mib
 
-    def run(c, n, rows):
+    def run(c, n, rows, over=None):
         calls.append(n)
         return [p * mib for p in (first, then)[len(calls) - 1]], 0.01
 
@@ -579,6 +580,24 @@ def test_a_fit_at_the_edge_of_the_limit_is_called_twice_more_and_its_spread_coun
     assert c.measured_bytes == max(first + (then or ())) * mib
     assert c.spread_bytes == (0 if then is None else (max(first + then) - min(first + then)) * mib)
     assert fits or "spread" in c.note, c
+    probe.release()
+
+
+@pytest.mark.parametrize("extra, calls", [(None, 2), (2**40, 1)])
+def test_a_step_measured_over_its_limit_is_not_called_again(rng, monkeypatch, extra, calls):
+    # More calls could only raise its peak (the GPT-2 LM's 2 micro-batches: 0.7 s a call); a fit is called twice.
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 256)
+    probe = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 2**30, 0.1, {}, False)
+    measured, real = [], effgrad.memory.measure
+
+    def measure(fn):
+        report = real(fn)
+        measured.append(report)
+        return report if extra is None else dataclasses.replace(report, extra_bytes=extra)
+
+    monkeypatch.setattr(effgrad.memory, "measure", measure)
+    c = probe.measure(2)
+    assert len(measured) == calls and c.fits is (extra is None), (measured, c)
     probe.release()
 
 

@@ -550,9 +550,10 @@ class _Planner:
         accumulate.refill_accumulators(step._accumulators or [], step.model.trainable_variables)
         return step
 
-    def _run(self, c: Candidate, calls: int, rows: int) -> tuple[list[int], float]:
+    def _run(self, c: Candidate, calls: int, rows: int, over: float | None = None) -> tuple[list[int], float]:
         """``(peaks, seconds)`` of ``calls`` calls of a step on the batch's first ``rows`` rows, each
-        peak as on the whole batch, and the fastest of their times.
+        peak as on the whole batch, and the fastest of their times; the calls stop at a peak above
+        ``over`` (more could only confirm it: the GPT-2 LM's 2 micro-batches, 0.7 s a call).
 
         The peak varies from call to call with how the executor's threads interleave frees and
         allocations. Two calls of a candidate (a third cost the GPT-2 LM's plan 0.6-0.9 s per
@@ -566,14 +567,14 @@ class _Planner:
         run = lambda: step(x, y, sample_weight)["loss"]  # noqa: E731
         if not step.trace_count:
             run()  # the family's first call (on the whole batch, see line): traces, makes the accumulators
-        reports, times = [], []
-        for _ in range(calls):
-            start = time.perf_counter()
-            reports.append(memory.measure(run))
-            times.append(time.perf_counter() - start)
         accumulators = self.accumulators_held(c.family) if c.micro_batches > 1 else 0
         resident = self.weights_bytes + self.state_bytes + accumulators + self.batch_bytes
-        return [resident + r.extra_bytes for r in reports], min(times)
+        peaks, times = [], []
+        while len(peaks) < calls and (over is None or not peaks or peaks[-1] <= over):
+            start = time.perf_counter()
+            peaks.append(resident + memory.measure(run).extra_bytes)
+            times.append(time.perf_counter() - start)
+        return peaks, min(times)
 
     def measure(
         self,
@@ -587,8 +588,8 @@ class _Planner:
         if candidate.measured_bytes is not None or candidate.note == "out of memory":
             return candidate
         try:
-            peaks, candidate.seconds = self._run(candidate, calls, self.batch)
             limit = self.limit_of(candidate)
+            peaks, candidate.seconds = self._run(candidate, calls, self.batch, over=limit)
             if self.clear_of(candidate) < max(peaks) <= limit:
                 # A fit within half the margin of its limit: training's calls can go higher than two did
                 # (ResNet50's 4 micro-batches: 67-85 MiB above the resident state over 4 calls; plans
