@@ -1,6 +1,7 @@
 """effgrad.plan: the planned step fits the budget, is still the exact update, and planning changes nothing."""
 
 import dataclasses
+import gc
 import json
 import math
 import textwrap
@@ -656,6 +657,23 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng, trai
     after = [v.numpy() for v in [*model.variables, *optimizer.variables]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+def test_release_collects_only_what_planning_made_and_the_collector_is_left_as_it_was(rng, monkeypatch):
+    # What existed before planning is frozen out of release's collection (ResNet50: 0.23 s less), and
+    # unfrozen after; a process that froze objects of its own (a pre-forking server) keeps them frozen.
+    model = _conv()
+    x, y = _data(rng, (16, 16, 3), 64)
+    seen, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: seen.append(gc.get_freeze_count()) or collect(*args))
+    effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget="1GiB", verbose=False)
+    assert seen[0] == 0 and seen[-1] > 0 and gc.get_freeze_count() == 0, seen
+    try:
+        gc.freeze()
+        effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget="1GiB", verbose=False)
+        assert gc.get_freeze_count() > 0  # still theirs (less what died meanwhile): not unfrozen
+    finally:
+        gc.unfreeze()
 
 
 def test_planning_keeps_its_copy_of_the_state_off_the_device(rng):
