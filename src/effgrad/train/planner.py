@@ -626,8 +626,7 @@ class _Planner:
         if any((p.micro_batches, p.rows) == (micro_batches, rows) for p in self.points.get(segments, [])):
             return True
         try:
-            peaks, seconds = self._run(Candidate(micro_batches, segments), 1, rows)
-            peak = max(peaks)
+            (peak,), seconds = self._run(Candidate(micro_batches, segments), 1, rows)
         except tf.errors.ResourceExhaustedError:
             return False
         point = _Point(micro_batches, rows, peak, seconds)
@@ -702,8 +701,9 @@ class _Planner:
             # of one configuration gave it. A first call on a new shape is no slower (ResNet50: 0.20 and
             # 0.20 s, the GPT-2 LM 0.26 and 0.26 s), and the second calls took 0.55-0.8 s of their plans.
             same = [p for p in self.points[segments] if p.per_micro == near]
+            top = max(p.peak_bytes for p in same)
             for p in same:
-                p.peak_bytes = max(q.peak_bytes for q in same)
+                p.peak_bytes = top
         return self.fitted(segments)
 
     def _points(self, segments: int | None) -> list[_Point]:
