@@ -532,6 +532,18 @@ def test_step_time_is_modelled_from_slices_and_the_whole_batch():
         assert fake.seconds(None, k) == pytest.approx(time_of(k, 32))
 
 
+def test_a_step_time_the_points_do_not_determine_is_not_predicted():
+    # The whole-batch point measured over the limit on its tracing call is not timed (a call less): the two
+    # slices (2 micro-batches of 4 rows, 4 of 8) determine only 16 micro-batches of the whole batch (2 rows
+    # each, as theirs); a guess for the others could leave the fastest fit unmeasured, predicted slower.
+    time_of = lambda k, rows: 0.1 + 0.04 * k + 0.016 * rows  # noqa: E731
+    fake = _fake_planner(lambda rows: 600 + 15 * rows, time_of, sub_batches=True)
+    fake.line(None)
+    fake.candidates[(4, None, False, None)].seconds = None
+    assert fake.seconds(None, 16) == pytest.approx(time_of(16, 32))
+    assert [fake.seconds(None, k) for k in (2, 4, 8, 32)] == [None] * 4
+
+
 def test_the_line_measures_slices_of_the_batch_and_counts_the_whole_batch(rng, monkeypatch):
     # A 4 MiB batch and small activations: the batch sets most of the peak, so a slice reads as the
     # whole batch's step only if the whole batch is counted in both. (Converted inside the measured
@@ -589,6 +601,7 @@ def test_a_step_measured_over_its_limit_is_not_called_again(rng, monkeypatch, ex
     # More calls could only raise its peak (the GPT-2 LM's 2 micro-batches: 0.7 s a call); a fit is called twice.
     model, (x, y) = _wide_mlp(), _data(rng, (32,), 256)
     probe = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 2**30, 0.1, {}, False)
+    probe.measure(2)  # the family's trace
     measured, real = [], effgrad.memory.measure
 
     def measure(fn):
@@ -597,8 +610,24 @@ def test_a_step_measured_over_its_limit_is_not_called_again(rng, monkeypatch, ex
         return report if extra is None else dataclasses.replace(report, extra_bytes=extra)
 
     monkeypatch.setattr(effgrad.memory, "measure", measure)
-    c = probe.measure(2)
+    c = probe.measure(4)
     assert len(measured) == calls and c.fits is (extra is None), (measured, c)
+    probe.release()
+
+
+@pytest.mark.parametrize("extra", [None, 2**40])
+def test_a_familys_tracing_call_is_one_of_its_measured_calls(rng, monkeypatch, extra):
+    # Its peak lies among the next calls' (ResNet50, the GPT-2 LM): a call less per family traced (0.4 s of
+    # ResNet50's plan). Its time is the trace's: one call more is timed, unless it was over the limit.
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 256)
+    probe = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 2**30, 0.1, {}, False)
+    calls, call, real = [], effgrad.TrainStep.__call__, effgrad.memory.measure
+    counted = lambda s, *a, **k: calls.append(s.trace_count) or call(s, *a, **k)  # noqa: E731
+    monkeypatch.setattr(effgrad.TrainStep, "__call__", counted)
+    monkeypatch.setattr(effgrad.memory, "measure", lambda fn: dataclasses.replace(real(fn), extra_bytes=extra or 0))
+    c = probe.measure(2)
+    assert calls == ([0, 1] if extra is None else [0]), calls  # the tracing call, then one more if it fits
+    assert c.fits is (extra is None) and (c.seconds is None) is (extra is not None), c
     probe.release()
 
 
