@@ -960,8 +960,7 @@ class _Planner:
         if c.measured_bytes is not None or c.note == "out of memory":
             return c
         c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, micro_batches))
-        guess = 0 if fused.measured_bytes is not None else self.margin / 2 * self.budget
-        if c.predicted_bytes > self.limit_of(c) - guess:
+        if c.predicted_bytes > (self.clear_of(c) if fused.measured_bytes is None else self.limit_of(c)):
             c.fits, c.note = False, "predicted over budget"
             return c
         c.fits, c.note = None, ""
