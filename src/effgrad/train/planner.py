@@ -6,8 +6,8 @@ Algorithm::
         buffer any configuration needs (one gradient for a fused k=1 step, else the
         accumulator); a budget below that is refused at once, with the breakdown
     per family (one trace each: the number of micro-batches is a runtime value of the step):
-        micro-batched (k >= 2): measure 1/4 of the batch per micro-batch (the whole batch) and
-                                1/16 (a slice of it, in 2 and in 4), fit
+        micro-batched (k >= 2): measure 1/4 of the batch per micro-batch (the whole batch; half
+                                of a batch under 16 rows) and 1/16 (a slice of it, in 2 and in 4), fit
                                 peak = fixed + per_row * rows  and
                                 time = fixed + per_micro * k + per_row * batch rows;
                                 predict every k; measure those predicted to fit and to be as
@@ -696,8 +696,14 @@ class _Planner:
         micro-batch costs (:meth:`seconds`). ResNet50 at batch 32: k=4 on 32 rows, then k=2 on 4
         rows and k=4 on 8, where two k=16 calls on 32 rows took 3 s. Under XLA (a compilation per
         shape) or split over replicas, the 1/16 point is a candidate too.
+
+        Under 16 rows, 1/16 of the batch rounds up to a row and 1/4 lies a row or two from it, where
+        the allocator's placement sets the slope (the GPT-2 LM at batch 8: from points at 1 and 2 rows,
+        2 micro-batches were predicted 9-16% over and the plain step 11-19%): the far point is then
+        half the batch (from 1 and 4 rows, 4 micro-batches 1% over and the plain step 5%, in one process).
         """
-        near, far = max(1, math.ceil(self.batch / 16)), max(1, math.ceil(self.batch / 4))
+        near = max(1, math.ceil(self.batch / 16))
+        far = max(1, math.ceil(self.batch / (4 if self.batch >= 16 else 2)))
         whole = [far] if self.sub_batches and 4 * near < self.batch else [far, near]
         for r in dict.fromkeys(whole):
             if self.measure(max(2, math.ceil(self.batch / r)), segments).measured_bytes is None:
@@ -912,9 +918,10 @@ class _Planner:
         prediction is within the margin of what predictions must stay within (measuring it is a trace,
         the decision a gamble) and the line's points are less than half the batch per micro-batch.
 
-        The GPT-2 LM at batch 8 has points at 1 and 2 rows, where its peak is the end of backprop's
-        (the embedding's gradient) and barely grows: its plain step measured 11% above the line's
-        prediction, a trace in vain. Two micro-batches are a few calls of the family's trace.
+        The GPT-2 LM at batch 8 had points at 1 and 2 rows (half the batch now: :meth:`line`), where its
+        peak is the end of backprop's (the embedding's gradient) and barely grows: its plain step measured
+        11% above the line's prediction, a trace in vain. Two micro-batches are a few calls of the family's
+        trace.
         """
         plain = self.candidate(1, segments)
         far = max(p.per_micro for p in self._points(segments))
