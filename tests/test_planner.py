@@ -542,6 +542,15 @@ def test_a_plain_step_predicted_at_the_edge_is_first_checked_against_a_point_fur
     assert fake.candidate(2).measured_bytes == 760 and fake.candidate(1).measured_bytes == 920, fake.candidates
 
 
+def test_a_plain_step_predicted_from_half_a_small_batch_is_tried_up_to_its_limit():
+    # Batch 8: the line's points are 1 and 4 rows, half the batch already; the plain step, predicted at
+    # 920 (600 + 40 per row), between the 900 predictions must stay within and the 950 measured peaks
+    # must, is measured as where a point further out was added, and fits.
+    fake = _fake_planner(lambda rows: 600 + 40 * rows, lambda k, rows: 1.0 + 0.05 * k, sub_batches=True, batch=8)
+    fake.explore(None)
+    assert fake.candidate(1).predicted_bytes == 920 and fake.candidate(1).measured_bytes == 920, fake.candidates
+
+
 def test_step_time_is_modelled_from_slices_and_the_whole_batch():
     # The line's 1/16 point runs on slices (2 micro-batches of 4 rows, 4 of 8), its 1/4 point on the
     # whole batch: a time of k alone (the whole batch each time) would mix up rows and micro-batches.

@@ -914,9 +914,10 @@ class _Planner:
                 c.note = "predicted over budget" if over else "not measured: fewer micro-batches fit"
 
     def further(self, segments: int | None, sure: float) -> bool:
-        """Measures two micro-batches on the whole batch, a line point further out, where the plain step's
-        prediction is within the margin of what predictions must stay within (measuring it is a trace,
-        the decision a gamble) and the line's points are less than half the batch per micro-batch.
+        """Whether the plain step, not measured, is predicted from half the batch per micro-batch: a line
+        point already (a batch under 16 rows, :meth:`line`), or two micro-batches on the whole batch,
+        measured here as a point further out where its prediction is within the margin of what
+        predictions must stay within (measuring it is a trace, the decision a gamble).
 
         The GPT-2 LM at batch 8 had points at 1 and 2 rows (half the batch now: :meth:`line`), where its
         peak is the end of backprop's (the embedding's gradient) and barely grows: its plain step measured
@@ -924,9 +925,10 @@ class _Planner:
         trace.
         """
         plain = self.candidate(1, segments)
-        far = max(p.per_micro for p in self._points(segments))
-        if plain.measured_bytes is not None or 2 * far >= self.batch:
+        if plain.measured_bytes is not None:
             return False
+        if 2 * max(p.per_micro for p in self._points(segments)) >= self.batch:
+            return True
         if abs(plain.predicted_bytes - sure) > self.margin * self.budget:
             return False
         return self.measure(2, segments).measured_bytes is not None
