@@ -449,12 +449,13 @@ def _fake_planner(peak, seconds, sub_batches, batch=32):
 
     def measure(k, segments=None, fused=False, calls=2):
         c = fake.candidate(k, segments, fused)
-        c.measured_bytes, c.seconds = peak(-(-batch // k)), seconds(k, batch)
+        c.measured_bytes, c.seconds = peak(planner._rows(batch, k)), seconds(k, batch)
         c.fits = c.measured_bytes <= 950
         return c
 
     def probe(k, rows, segments):
-        fake.points.setdefault(segments, []).append(planner._Point(k, rows, peak(-(-rows // k)), seconds(k, rows)))
+        point = planner._Point(k, rows, peak(planner._rows(rows, k)), seconds(k, rows))
+        fake.points.setdefault(segments, []).append(point)
         return True
 
     fake.measure, fake.probe = measure, probe

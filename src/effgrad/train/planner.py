@@ -919,10 +919,9 @@ class _Planner:
         measured here as a point further out where its prediction is within the margin of what
         predictions must stay within (measuring it is a trace, the decision a gamble).
 
-        The GPT-2 LM at batch 8 had points at 1 and 2 rows (half the batch now: :meth:`line`), where its
-        peak is the end of backprop's (the embedding's gradient) and barely grows: its plain step measured
-        11% above the line's prediction, a trace in vain. Two micro-batches are a few calls of the family's
-        trace.
+        Where a peak barely grows over the line's points (the end of backprop's: the GPT-2 LM's embedding
+        gradient, from points at 1 and 2 rows), the plain step measured 11% above the line, a trace in vain;
+        two micro-batches are a few calls of the family's trace.
         """
         plain = self.candidate(1, segments)
         if plain.measured_bytes is not None:
