@@ -111,7 +111,9 @@ def test_planned_step_fits_every_budget_between_the_floor_and_the_plain_peak(rng
     assert planned.planning_seconds < 60, planned  # one trace per family, not a search by crashing
     config = {**planned.step_options, "segments": planned.segments}
     peaks = in_fresh_processes(
-        _TRAIN_WITH_PLAN, {u: [json.dumps([make.__name__, shape, n, config, u])] for u in (False, True)}
+        _TRAIN_WITH_PLAN,
+        {u: [json.dumps([make.__name__, shape, n, config, u])] for u in (False, True)},
+        new_interpreters=True,  # a budget to the byte: see in_fresh_processes
     )
     assert max(peaks.values()) <= budget, (peaks, budget, str(planned))
     text = str(planned)
