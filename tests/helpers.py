@@ -218,11 +218,11 @@ def in_fresh_processes(code: str, runs: dict, timeout: float = 300, new_interpre
     only the wall time).
 
     Forked (:func:`run_forked`) unless ``new_interpreters``: a new interpreter spends 6.5 s of CPU on
-    imports (TensorFlow 5.3), and 23 forked instead took the suite from 1,160 to 928 s of CPU on 2
-    cores. Forked children's peaks had a heavier upper tail, though (a
-    planned step's 3 training steps: 19.9-20.9 MiB in 3 of 18 forked runs, at most 19.7 in 18 new
-    interpreters), enough to fail a budget test: a test that checks a budget to the byte asks for new
-    interpreters; comparisons with a margin do not need them."""
+    imports (TensorFlow 5.3), and forking 23 of them took the suite from 1,160 to 928 s of CPU on 2
+    cores (4 of those are new interpreters again, below). Forked children's peaks had a heavier upper
+    tail, though (a planned step's 3 training steps: 19.9-20.9 MiB in 3 of 18 forked runs, at most 19.7
+    in 18 new interpreters), enough to fail a budget test, and a checkpointed model's eager peaks once
+    moved by more than test_checkpoint_model allows: those tests ask for new interpreters."""
     if not new_interpreters:
         results = {}
         for key, (status, out, err) in run_forked(code, runs, timeout).items():
