@@ -80,6 +80,15 @@ def _rows(x) -> int:
     return int(tf.nest.flatten(x)[0].shape[0])
 
 
+def _measurer(model, loss, optimizer, x, y):
+    """A planner without a budget that measures configurations as ``plan`` does, the optimizer's state
+    built as ``plan`` builds it (as allocated, in every peak)."""
+    from effgrad.train import planner
+
+    built = planner.build_optimizer(optimizer, model)
+    return planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+
+
 def child(config: dict) -> dict:
     import gc
 
@@ -117,8 +126,7 @@ def child(config: dict) -> dict:
     model, x, y, loss = _setup(config["model"])
     optimizer = keras.optimizers.Adam(1e-4)
     if role == "probe":
-        built = planner.build_optimizer(optimizer, model)  # as plan() does: its state, as allocated, in every peak
-        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+        probe = _measurer(model, loss, optimizer, x, y)
         plain = probe.measure(1, None)
         smallest = [probe.measure(_rows(x), None)]
         segments = planner._segment_choices(model)
@@ -139,16 +147,13 @@ def child(config: dict) -> dict:
         # The same configuration measured again as the plan measures it, in this other process history
         # (a fresh optimizer state, as planning builds one): how far apart two measurements of one
         # configuration are, the noise a prediction's error is to be read against.
-        optimizer = keras.optimizers.Adam(1e-4)
-        built = planner.build_optimizer(optimizer, model)
-        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+        probe = _measurer(model, loss, keras.optimizers.Adam(1e-4), x, y)
         again = probe.measure(
             options["micro_batches"], segments, options["fused_update"], fused_loss=options.get("fused_loss")
         )
         return {"first_s": first_s, "again": again.measured_bytes, "seconds": 0.0}
     if role == "ruled out":  # configurations the plan ruled out on their prediction, of one family
-        built = planner.build_optimizer(optimizer, model)
-        probe = planner._Planner(model, loss, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+        probe = _measurer(model, loss, optimizer, x, y)
         measured = [probe.measure(*key[:3], fused_loss=key[3]).measured_bytes for key in config["keys"]]
         return {"measured": measured, "seconds": 0.0}
     budget = config["budget"]
