@@ -499,14 +499,18 @@ class _Planner:
                 self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
-    def waiting_bytes(self, segments: int | None) -> float:
-        """Float32 gradients a plain step holds at its peak, waiting for the update (see :meth:`predict`).
+    def waiting_bytes(self, segments: int | None, activations: float) -> float:
+        """Float32 gradients a plain step holds at its peak over the line's, waiting for the update (see
+        :meth:`predict`); ``activations``: what the line counts of the batch's at once.
 
-        Unchecked, about half of them. Checkpointed, the peak is where the first segment is recomputed
-        (segments hold about equal activations, and the first is recomputed last): those of every
-        variable outside that segment. Not a fused loss's kernel, made after."""
+        Unchecked: were activations freed and gradients made at an even pace through backprop, the
+        peak would be its start where activations are the larger part (nothing waits) and its end
+        otherwise (the gradients less the activations by then freed); an eighth of them at least, as
+        measured where activations dominate. Checkpointed, the peak is where the first segment is
+        recomputed (segments hold about equal activations, and the first is recomputed last): those of
+        every variable outside that segment. Not a fused loss's kernel, made after."""
         if segments is None:
-            return self.accumulator_bytes / 2
+            return max(self.accumulator_bytes / 8, self.accumulator_bytes - activations)
         if segments not in self._waiting:
             from effgrad.remat.checkpointing import Checkpoint
 
@@ -769,25 +773,29 @@ class _Planner:
         them, as the allocator held them (their shapes alone over-predicted the
         GPT-2 LM's checkpointed plain step by 12%: 55.4 MiB held 75.2). Its
         gradients wait for the update, where a micro-batch's are added up as
-        they are made: about half of them are alive at its peak on top of what
-        the line has (measured 0.34-0.72 of them on ResNet50, the GPT-2 LM and
-        two weight-heavy MLPs; all of them over-predicted ResNet50's and the
-        LM's by 18%; on MobileNetV2, whose activations are 20x its weights, the
-        line itself over-predicts it by 12-14%). Checkpointed, the peak is in the
+        they are made (:meth:`waiting_bytes`). Where activations are the larger
+        part, the peak comes early in backprop and few wait: in fresh
+        processes, the GPT-2 LM's plain step measured 386-388 MiB (3 processes)
+        where 3 plans' lines less the accumulators came to 366-386, 0.02-0.37
+        of its 55 MiB of gradients more; ResNet50's 548-550 MiB, 0.01-0.23 of its
+        90 MiB (half of them, counted until round 3's last session,
+        over-predicted both by 2-8%); on MobileNetV2 and small MLPs measured in
+        the planning process, the line itself over-predicts by 5-8%, and
+        more waiting counted only adds to it. Checkpointed, the peak is in the
         first segment's recompute, with the gradients of every variable outside
-        that segment waiting (:meth:`waiting_bytes`): ResNet50's deep stages hold
-        89 of its 90 MiB of them, and its plain step with 2 segments measured 509
-        MiB where the line alone predicted 417 (an 18% miss, two traces in vain
-        at its 50% budget); the GPT-2 LM's first segment holds its embedding,
-        whose gradient the fused loss makes last: 3 MiB wait, and it measured
-        6-10% below the line as it is.
+        that segment waiting: ResNet50's deep stages hold 89 of its 90 MiB of
+        them, and its plain step with 2 segments measured 509 MiB where the
+        line alone predicted 417 (an 18% miss, two traces in vain at its 50%
+        budget); the GPT-2 LM's first segment holds its embedding, whose
+        gradient the fused loss makes last: 3 MiB wait, and it measured 6-10%
+        below the line as it is.
 
-        Fused, a couple of gradients are alive at once instead of those made
-        so far: all of them where the batch's activations are smaller than the
-        gradients (the peak is at the end of backprop: fine-tuning), about half
-        where they are larger (the peak is midway: ResNet50 saves 27 MiB of
-        its 90, and predicted at all of them, the fused step was measured in
-        vain, a trace). Checkpointed, a couple instead of those waiting
+        Fused, each update is made as its gradient is: one gradient (the
+        largest) in flight instead of those waiting. Measured in fresh
+        processes: the GPT-2 LM's 440-450 MiB, 1.2-1.5 of its 49 MiB tied
+        embedding over the line less the accumulators; ResNet50's 8-17 MiB
+        under it, its largest gradient being 9 MiB (two of them over-predicted
+        both by 5-9%). Checkpointed, a couple instead of those waiting
         (ResNet50 with 2 segments measured 442 MiB, predicted 390 when half
         the gradients came off that had not been counted).
         """
@@ -796,13 +804,10 @@ class _Planner:
         peak = fixed + activations
         if micro_batches == 1:
             peak -= self.accumulators_held((True, segments, False, None))
-            waiting = self.waiting_bytes(segments)
-            if fused:  # each update inside backprop: a couple of gradients alive instead of those waiting
-                gathered = waiting
-                if segments is None and activations <= self.accumulator_bytes:
-                    gathered = self.accumulator_bytes  # the peak is at the end of backprop: all of them
-                waiting += 2 * self.largest_bytes - gathered
-            peak += waiting
+            if fused:  # each update inside backprop: unchecked, one gradient in flight instead of those waiting
+                peak += self.largest_bytes if segments is None else 2 * self.largest_bytes
+            else:
+                peak += self.waiting_bytes(segments, activations)
         return int(peak)
 
     def plain_first(self, segments: int) -> bool:
@@ -825,7 +830,7 @@ class _Planner:
         if self.fewest > 1 or plain is None or plain.peak_bytes is None or len(self._points(None)) < 2:
             return False
         activations = self.fitted(None)[1] * self.batch
-        waiting = self.waiting_bytes(segments) - self.waiting_bytes(None)
+        waiting = self.waiting_bytes(segments, activations) - self.waiting_bytes(None, activations)
         if plain.peak_bytes + waiting - activations * (1 - 1 / segments) > self.limit:
             return False
         return self.fits_clear(self.measure(1, segments))
