@@ -775,12 +775,12 @@ class _Planner:
         gradients wait for the update, where a micro-batch's are added up as
         they are made (:meth:`waiting_bytes`). Where activations are the larger
         part, the peak comes early in backprop and few wait: in fresh
-        processes, the GPT-2 LM's plain step measured 386-388 MiB (3 processes)
-        where 3 plans' lines less the accumulators came to 366-386, 0.02-0.37
-        of its 55 MiB of gradients more; ResNet50's 548-550 MiB, 0.01-0.23 of its
-        90 MiB (half of them, as counted before, over-predicted both by
-        2-8%); on MobileNetV2 and small MLPs measured in
-        the planning process, the line itself over-predicts by 5-8%, and
+        processes, the GPT-2 LM's plain step measured 386-388 MiB (3
+        processes) where 3 plans' lines less the accumulators came to 366-386,
+        0.02-0.37 of its 55 MiB of gradients more; ResNet50's 548-550 MiB,
+        0.01-0.23 of its 90 MiB (half of them, as counted before,
+        over-predicted both by 2-8%); on MobileNetV2 and small MLPs measured
+        in the planning process, the line itself over-predicts by 5-8%, and
         more waiting counted only adds to it. Checkpointed, the peak is in the
         first segment's recompute, with the gradients of every variable outside
         that segment waiting: ResNet50's deep stages hold 89 of its 90 MiB of
