@@ -2,17 +2,22 @@
 
 Models: keras.applications ResNet50 (``weights=None``) on 64x64 images, batch 32, and the keras_hub
 GPT2CausalLM of the fused-loss benchmark (vocabulary 50,257, 2 layers, hidden 256, T=256, batch 8),
-both with Adam; a small MLP in ``--quick``. Per model, in fresh processes:
+and VGG16 (``weights=None``) on 32x32 images, batch 16, where weights dominate (fine-tuning: 128 MiB of
+them, activations about a tenth of the gradients); all with Adam; a small MLP in ``--quick``. Per
+model, in fresh processes:
 
 * ``probe``: the plain step's peak and time, and the floor (the smallest peak any configuration
-  reaches: one row per micro-batch, with and without checkpointing);
-* for budgets 90%, 70% and 50% of the way from the floor to the plain peak (and, where the loss is
-  fused, a roomy one: 1.2x the unfused plain step's peak, where the faster unfused step fits):
+  reaches: one row per micro-batch, with and without checkpointing; where weights dominate, the fused
+  plain step);
+* for budgets 90%, 70% and 50% of the way from the floor to the plain peak (where the loss is
+  fused, a roomy one too: 1.2x the unfused plain step's peak, where the faster unfused step fits;
+  where weights dominate, 1.2, 1.1 and 1.05x the plain peak instead, since below it, with the largest
+  gradient kept free, nothing fits):
   ``effgrad.plan`` (its time, choice and measured peak; its time in plain steps; the chosen step's
   time against the fastest measured one; every prediction it measured afterwards, as
   ``predicted / measured - 1``; those it ruled out are measured by ``ruled out``), and the search
-  users do by hand: a new step with ``micro_batches`` = 1, 2, 4, ... (a trace each), real steps,
-  until one fits;
+  users do by hand: a new step with ``micro_batches`` = 1, 2, 4, ... (a trace each, the step's
+  defaults otherwise), real steps, until one fits;
 * ``by hand``: the plan's configuration built directly, in a fresh process: how much later the
   first trained step of ``build_train_step(micro_batches="auto")`` (planning, then the planned
   step, whose trace training reuses) comes than this one's (a trace and a call); then its peak
@@ -64,6 +69,9 @@ def _setup(kind: str):
         model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         tokens = rng.integers(1, 50257, (8, 256)).astype("int32")
         x, y = {"token_ids": tokens, "padding_mask": np.ones((8, 256), "int32")}, np.roll(tokens, -1, 1)
+    elif kind == "vgg16_32x32_b16":  # fine-tuning: 128 MiB of weights, activations a tenth of the gradients
+        model = keras.applications.VGG16(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+        x, y = rng.uniform(0, 1, (16, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 16)
     else:  # quick
         model = keras.Sequential(
             [keras.Input((32,))] + [keras.layers.Dense(128, activation="relu") for _ in range(4)]
@@ -132,11 +140,14 @@ def child(config: dict) -> dict:
         segments = planner._segment_choices(model)
         if segments:
             smallest.append(probe.measure(_rows(x), max(segments)))
+        if probe.gradients_dominate and probe.can_fuse:  # weights dominate: the fused plain step is the smallest
+            smallest.append(probe.measure(1, None, True))
         floor = min(c.measured_bytes for c in smallest)
         # The loss fused (the LM): the unfused plain step, for a budget where its logits fit.
         unfused = probe.measure(1, None, fused_loss=False) if probe.logits_per_row else None
         return {"plain": plain.measured_bytes, "plain_s": plain.seconds, "floor": floor, "seconds": plain.seconds,
-                "unfused": unfused and unfused.measured_bytes, "unfused_s": unfused and unfused.seconds}  # fmt: skip
+                "unfused": unfused and unfused.measured_bytes, "unfused_s": unfused and unfused.seconds,
+                "weights_dominate": probe.gradients_dominate}  # fmt: skip
     if role == "by hand":  # the plan's configuration given by hand: the first step is its trace and a call
         options = dict(config["options"])
         segments = options.pop("segments")
@@ -175,7 +186,7 @@ def child(config: dict) -> dict:
     search = config.get("search", True) and not common.QUICK  # quick: the plan's code path only
     while k <= _rows(x) and found is None and search:
         before = effgrad.memory.current_bytes()
-        step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-4), micro_batches=k, fused_update=False)
+        step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-4), micro_batches=k)  # defaults
         step(x, y)  # builds the optimizer's state and the accumulators
         # Counted as the allocator holds them, as the plan counts them (by their shapes, Adam's state on
         # the GPT-2 LM was 23 MiB less, and the search took a plain step over the plan's limit).
@@ -240,12 +251,17 @@ def _mib(nbytes):
 
 
 def run(quick: bool = False) -> dict:
-    models = ["mlp_4x128_b256"] if quick else ["resnet50_64x64_b32", "gpt2_lm_v50257_t256_b8"]
+    models = ["mlp_4x128_b256"] if quick else ["resnet50_64x64_b32", "gpt2_lm_v50257_t256_b8", "vgg16_32x32_b16"]
     fractions = (0.7,) if quick else (0.9, 0.7, 0.5)
     rows = []
     for model in models:
         probe = common.run_isolated(MODULE, {"model": model, "role": "probe"}, timeout=3600)
         budgets = [(f"{f:.1f}", int(probe["floor"] + f * (probe["plain"] - probe["floor"]))) for f in fractions]
+        if probe["weights_dominate"] and not quick:
+            # Fine-tuning: the fused plain step is the floor, a largest gradient (64 MiB) is kept free, and
+            # budgets between the floor and the plain peak leave nothing that fits; above the plain peak
+            # the fused step fits, then the plain one.
+            budgets = [(f"{f}x plain", int(f * probe["plain"])) for f in (1.2, 1.1, 1.05)]
         if probe.get("unfused") and not quick:  # roomy: 1.2x the unfused plain step (the logits made) fits
             budgets.append(("roomy", int(1.2 * probe["unfused"])))
         for fraction, budget in budgets:
@@ -315,10 +331,11 @@ def run(quick: bool = False) -> dict:
                 }
             )
     title = (
-        "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak, and on the LM a roomy "
-        "one (1.2x the unfused plain step's peak: the logits fit); planning time vs a "
-        "doubling search of micro_batches that traces and runs a step per try; how much later the first trained step "
-        "of build_train_step(micro_batches='auto') comes than the chosen configuration's built by hand (the median "
+        "effgrad.plan (Adam): budgets 90/70/50% of the way from the floor to the plain peak, on the LM a roomy "
+        "one (1.2x the unfused plain step's peak: the logits fit), on VGG16 (weights dominate: fine-tuning) 1.2, 1.1 "
+        "and 1.05x the plain peak; planning time vs a doubling search of micro_batches (build_train_step's "
+        "defaults) that traces and runs a step per try; how much later the first trained step of "
+        "build_train_step(micro_batches='auto') comes than the chosen configuration's built by hand (the median "
         "of 3 pairs of processes); "
         "predictions vs measurements (the largest two errors by configuration, and the chosen configuration "
         "measured again in another process: the measurements' own spread); the "

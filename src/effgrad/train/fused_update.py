@@ -53,7 +53,7 @@ from effgrad.remat import graph
 from effgrad.train import accumulate, flows, inplace, local_grad, update
 from effgrad.train import objective as objective_lib
 
-__all__ = ["decide", "step"]
+__all__ = ["decide", "gradients_dominate", "step"]
 
 
 def decide(train_step, hint: tuple[int, int] | None) -> bool:
@@ -86,13 +86,21 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
         return False
     if option is True:
         return True
+    return gradients_dominate(train_step.model, hint)
+
+
+def gradients_dominate(model, hint: tuple[int, int] | None) -> bool:
+    """Whether ``model``'s float32 gradients outweigh 2x the layer outputs of a batch shaped ``hint``
+    (``(rows, largest other axis)``; a sequence model's unknown axes counted as that axis): where
+    weights dominate (fine-tuning). ``False`` when the layer graph is unknown (subclassed models).
+    """
     if hint is None:
         return False
     rows, extent = hint
-    per_row = graph.activation_bytes_per_row(train_step.model, unknown=extent)  # a sequence: T per unknown axis
+    per_row = graph.activation_bytes_per_row(model, unknown=extent)  # a sequence: T per unknown axis
     if per_row is None:
         return False
-    gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in train_step.model.trainable_variables)
+    gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in model.trainable_variables)
     # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
     # probabilities), and the fused step also keeps every weight use's output gradient until
     # pass 2. Measured (benchmarks/step_floor.py): a 16x1024 GELU MLP at batch 1024 (weights =
