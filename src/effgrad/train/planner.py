@@ -5,6 +5,8 @@ Algorithm::
     shapes first (no trace): weights + optimizer state + the batch + the smallest gradient
         buffer any configuration needs (one gradient for a fused k=1 step, else the
         accumulator); a budget below that is refused at once, with the breakdown
+    weights outweigh activations (fine-tuning): the plain step fused, then gathered where predicted
+        to fit from it; either fitting is the plan (micro-batches and recompute could only add)
     per family (one trace each: the number of micro-batches is a runtime value of the step):
         micro-batched (k >= 2): measure 1/4 of the batch per micro-batch (the whole batch; half
                                 of a batch under 16 rows) and 1/16 (a slice of it, in 2 and in 4), fit
