@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import json
 import math
+import re
 import textwrap
 import types
 
@@ -379,6 +380,27 @@ def test_where_weights_dominate_the_one_micro_batch_steps_are_measured_before_an
     assert (plan.micro_batches, plan.segments) == (1, None) and (plan.fused_update or roomy), plan
     measured = sorted((c.micro_batches, c.fused_update) for c in plan.table if c.measured_bytes is not None)
     assert measured == ([(1, False), (1, True)] if roomy else [(1, True)]), plan
+
+
+def test_where_the_smallest_step_has_one_micro_batch_what_does_not_shrink_is_counted_from_shapes(rng):
+    # The micro-batched line's fixed part counts the accumulators, which one micro-batch does not hold
+    # (VGG16 fine-tuned: "the smallest peak achievable is 484.7 MiB ... Of it, about 590.9 MiB does not
+    # shrink"). Here the fused step, the smallest, holds 12 MiB of activations over the shapes' floor.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(6)])
+    x, y = rng.normal(size=(256, 1024)).astype("float32"), rng.integers(0, 1024, 256)
+    optimizer = keras.optimizers.Adam(1e-4)
+    built = planner.build_optimizer(optimizer, model)
+    probe = planner._Planner(model, _LOSS, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+    floor, fused = probe.floor(), probe.measure(1, None, True).measured_bytes
+    assert probe.gradients_dominate and fused > floor + 6 * 2**20, (floor, fused)
+    budget = int((floor + fused) / 2 / 0.95)  # measured peaks must stay within 95% of it: below the fused step
+    with pytest.raises(ValueError, match="Nothing fits") as refused:
+        effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-4), x, y, budget=budget, verbose=False)
+    said = str(refused.value)
+    smallest = float(re.search(r"smallest peak achievable is ([\d.,]+) MiB \(micro_batches=1,", said)[1])
+    fixed = float(re.search(r"about ([\d.,]+) MiB does not shrink", said)[1])
+    assert fixed <= smallest and "the rest (activations" in said, said
 
 
 def _large_vocabulary(rng):
