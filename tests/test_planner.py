@@ -354,11 +354,16 @@ def test_measured_peaks_leave_a_largest_gradient_free_where_that_is_more_than_th
     assert "must leave 9.8 MiB of it free" in str(tight)
 
 
-def _fine_tuned(rng):
-    """Weights dominate (fine-tuning): 6 Dense 1024x1024, 24 MiB of gradients, 192 KiB of layer outputs."""
+def _fine_tuned(rng, rows=8):
+    """Weights dominate (fine-tuning): 6 Dense 1024x1024, 24 MiB of gradients, 24 KiB of layer outputs a
+    row; and a planner that measures its configurations as ``plan`` does (Adam's state built as it builds it)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(6)])
-    return model, rng.normal(size=(8, 1024)).astype("float32"), rng.integers(0, 1024, 8)
+    x, y = rng.normal(size=(rows, 1024)).astype("float32"), rng.integers(0, 1024, rows)
+    optimizer = keras.optimizers.Adam(1e-4)
+    built = planner.build_optimizer(optimizer, model)
+    probe = planner._Planner(model, _LOSS, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+    return model, x, y, probe
 
 
 @pytest.mark.parametrize("roomy", [True, False], ids=["gathered-fits", "only-fused-fits"])
@@ -367,10 +372,7 @@ def test_where_weights_dominate_the_one_micro_batch_steps_are_measured_before_an
     # activations (192 KiB); their line predicts the fused step from accumulators and gradients it does
     # not hold (VGG16 fine-tuned: three families traced, "Nothing fits" where the fused step did). The
     # fused step first; the gathered one (a trace) only where predicted to fit from it.
-    model, x, y = _fine_tuned(rng)
-    optimizer = keras.optimizers.Adam(1e-4)
-    built = planner.build_optimizer(optimizer, model)  # as plan() builds it, its state in every peak
-    probe = planner._Planner(model, _LOSS, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+    model, x, y, probe = _fine_tuned(rng)
     assert probe.gradients_dominate and probe.can_fuse
     gathered, fused_peak = (probe.measure(1, None, f).measured_bytes for f in (False, True))
     assert fused_peak < gathered - 8 * 2**20, (fused_peak, gathered)  # the largest 4 MiB in flight, not 24
@@ -386,12 +388,7 @@ def test_where_the_smallest_step_has_one_micro_batch_what_does_not_shrink_is_cou
     # The micro-batched line's fixed part counts the accumulators, which one micro-batch does not hold
     # (VGG16 fine-tuned: "the smallest peak achievable is 484.7 MiB ... Of it, about 590.9 MiB does not
     # shrink"). Here the fused step, the smallest, holds 12 MiB of activations over the shapes' floor.
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(6)])
-    x, y = rng.normal(size=(256, 1024)).astype("float32"), rng.integers(0, 1024, 256)
-    optimizer = keras.optimizers.Adam(1e-4)
-    built = planner.build_optimizer(optimizer, model)
-    probe = planner._Planner(model, _LOSS, optimizer, x, y, None, None, 2**40, 0.1, {}, False, built_bytes=built)
+    model, x, y, probe = _fine_tuned(rng, rows=256)
     floor, fused = probe.floor(), probe.measure(1, None, True).measured_bytes
     assert probe.gradients_dominate and fused > floor + 6 * 2**20, (floor, fused)
     budget = int((floor + fused) / 2 / 0.95)  # measured peaks must stay within 95% of it: below the fused step
