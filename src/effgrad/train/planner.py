@@ -839,12 +839,11 @@ class _Planner:
         if not fused.fits:
             return False
         gathered = self.candidate(1, None)
-        if gathered.measured_bytes is None:
-            gathered.predicted_bytes = fused.measured_bytes + self.accumulator_bytes - self.largest_bytes
-            if gathered.predicted_bytes <= self.clear_of(gathered):
-                self.measure(1, None)
-            else:
-                gathered.fits, gathered.note = False, "predicted over budget"
+        gathered.predicted_bytes = fused.measured_bytes + self.accumulator_bytes - self.largest_bytes
+        if gathered.predicted_bytes <= self.clear_of(gathered):
+            self.measure(1, None)
+        else:
+            gathered.fits, gathered.note = False, "predicted over budget"
         return True
 
     def plain_first(self, segments: int) -> bool:
@@ -955,6 +954,23 @@ class _Planner:
                 c.fits = False if over else c.fits
                 c.note = "predicted over budget" if over else "not measured: fewer micro-batches fit"
 
+    def explore_families(self, checkpointing: list[int]) -> None:
+        """:meth:`explore` without checkpointing, then, where that needs 8 or more micro-batches or
+        nothing fits, with each of ``checkpointing``'s segment counts (the plain step first where
+        recompute could bring it within the limit) until one fits with fewer; then the micro-batch
+        counts left for after checkpointing."""
+        self.explore(None, fewer_than=_CHECKPOINT_FROM if checkpointing else None)
+        best = self.best()
+        if best is None or best.micro_batches >= _CHECKPOINT_FROM:
+            for segments in checkpointing:
+                if not self.plain_first(segments):
+                    self.explore(segments, most=2)
+                found = self.best()
+                if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
+                    break
+        if checkpointing:
+            self.explore(None)
+
     def further(self, segments: int | None, sure: float) -> bool:
         """Whether the plain step, not measured, is predicted from half the batch per micro-batch: a line
         point already (a batch under 16 rows, :meth:`line`), or two micro-batches on the whole batch,
@@ -1030,6 +1046,35 @@ class _Planner:
             c.fits, c.note = None, ""
             if self.measure(c.micro_batches, c.segments, c.fused_update, fused_loss=c.fused_loss).fits:
                 return
+
+    def what_dominates(self, smallest: Candidate) -> str:
+        """For "Nothing fits": what of ``smallest``'s peak does not shrink, what does, and what would help.
+
+        One micro-batch holds no accumulators, which the micro-batched line's fixed part counts: it is
+        counted from shapes (VGG16 fine-tuned: the fused step's 484.7 MiB had "about 590.9 MiB" that
+        "does not shrink")."""
+        if smallest.micro_batches == 1:
+            fixed, parts = self.floor(), self.breakdown()
+            activations = max(0, smallest.peak_bytes - fixed)
+            rest = f"the rest (activations, gradients made in backprop) is {activations / _MIB:,.1f} MiB"
+        else:
+            line = self.line(smallest.segments)
+            if line is None:
+                return ""
+            fixed, per_row = line
+            parts = f"{self.breakdown()}, the backend's per-step workspace"
+            activations = per_row * _rows(self.batch, smallest.micro_batches)
+            rest = f"activations are {activations / _MIB:,.1f} MiB"
+        return (
+            f" Of it, about {fixed / _MIB:,.1f} MiB does not shrink with micro-batches or segments ({parts}) "
+            f"and {rest}: "
+            + (
+                "the fixed part dominates; a smaller optimizer state (effgrad.compact_state, SGD, Adafactor), "
+                "float16 weights or a smaller batch help."
+                if fixed >= activations
+                else "activations dominate; checkpointing inside the model's layers helps."
+            )
+        )
 
     def best(self) -> Candidate | None:
         """The simplest fitting configuration (fewest micro-batches, no recompute) as fast as the fastest.
@@ -1256,17 +1301,7 @@ def _plan(
         # LM's 8 micro-batches took 1.7 s of calls where its checkpointed plain step fit, 30% faster.
         checkpointing = [] if step_options.get("per_example_clip") else _segment_choices(model)
         if not planner.one_micro_batch_first():
-            planner.explore(None, fewer_than=_CHECKPOINT_FROM if checkpointing else None)
-            best = planner.best()
-            if best is None or best.micro_batches >= _CHECKPOINT_FROM:
-                for segments in checkpointing:
-                    if not planner.plain_first(segments):
-                        planner.explore(segments, most=2)
-                    found = planner.best()
-                    if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
-                        break
-            if checkpointing:
-                planner.explore(None)
+            planner.explore_families(checkpointing)
         planner.unfused()
         if planner.best() is None:
             planner.near_misses()
@@ -1312,30 +1347,7 @@ def _plan(
         if not known:
             raise ValueError(f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB: every configuration ran out of memory.")
         smallest = min(known, key=lambda c: c.peak_bytes)
-        what = ""
-        # One micro-batch holds no accumulators, which the micro-batched line's fixed part counts: from shapes
-        # (VGG16 fine-tuned: the fused step's 484.7 MiB had "about 590.9 MiB" that "does not shrink").
-        line = planner.line(smallest.segments) if smallest.micro_batches > 1 else None
-        if smallest.micro_batches == 1 or line is not None:
-            if line is None:
-                fixed, parts = planner.floor(), planner.breakdown()
-                activations = max(0, smallest.peak_bytes - fixed)
-                rest = f"the rest (activations, gradients made in backprop) is {activations / _MIB:,.1f} MiB"
-            else:
-                fixed, per_row = line
-                parts = f"{planner.breakdown()}, the backend's per-step workspace"
-                activations = per_row * _rows(planner.batch, smallest.micro_batches)
-                rest = f"activations are {activations / _MIB:,.1f} MiB"
-            what = (
-                f" Of it, about {fixed / _MIB:,.1f} MiB does not shrink with micro-batches or segments ({parts}) "
-                f"and {rest}: "
-                + (
-                    "the fixed part dominates; a smaller optimizer state (effgrad.compact_state, SGD, Adafactor), "
-                    "float16 weights or a smaller batch help."
-                    if fixed >= activations
-                    else "activations dominate; checkpointing inside the model's layers helps."
-                )
-            )
+        what = planner.what_dominates(smallest)
         raise ValueError(
             f"Nothing fits in {budget_bytes / _MIB:,.1f} MiB (measured peaks must stay within "
             f"{planner.limit / _MIB:,.1f} MiB, the budget less {planner.kept_free()}): the "
