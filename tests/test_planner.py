@@ -152,14 +152,16 @@ def test_what_planning_leaves_on_the_device_counts_against_the_budget(rng, monke
     assert best.micro_batches == 2
 
 
-def _synthetic_peaks(monkeypatch, accumulators, per_row, checkpointed_per_row=None, plain=0.0, left=0):
+def _synthetic_peaks(monkeypatch, accumulators, per_row, checkpointed_per_row=None, plain=0.0, left=0, trace=0.0):
     """Makes planning measure synthetic peaks (MiB): 20 fixed, ``accumulators`` more with micro-batches
     (``plain`` more without), ``per_row`` a row per micro-batch (``checkpointed_per_row`` checkpointed),
-    steps of 0.01 s a micro-batch (1.3x checkpointed); after its release planning "leaves" ``left`` MiB."""
+    steps of 0.01 s a micro-batch (1.3x checkpointed), a family's trace ``trace`` s; after its release
+    planning "leaves" ``left`` MiB."""
     mib, real, released = 2**20, effgrad.memory.current_bytes, []
     checkpointed_per_row = per_row if checkpointed_per_row is None else checkpointed_per_row
 
     def run(self, c, calls, rows, over=None):
+        self.trace_seconds.setdefault(c.family, trace)
         slope = per_row if c.segments is None else checkpointed_per_row
         peak = 20 + (accumulators if c.micro_batches > 1 else plain) + slope * math.ceil(rows / c.micro_batches)
         return [int(peak * mib)] * calls, 0.01 * c.micro_batches * (1.3 if c.segments else 1.0)
@@ -233,6 +235,26 @@ def test_many_micro_batches_are_measured_after_checkpointing_only_if_predicted_f
     assert (planned.micro_batches, planned.segments) == (1, 2), planned
     many = [c for c in planned.table if c.segments is None and c.micro_batches >= 8]
     assert all(c.seconds is None and c.note.startswith("not measured: predicted") for c in many), planned
+
+
+@pytest.mark.parametrize("trace, traced", [(10.0, False), (1.0, True)])
+def test_where_many_micro_batches_fit_checkpointing_is_traced_only_if_it_repays_its_trace(
+    rng, monkeypatch, trace, traced
+):
+    # ResNet50 at 50% of the way from its floor to its plain peak: 4 micro-batches at the edge, 8 fit
+    # (1.05 s a step); 4 checkpointed measured about as fast, and their trace took 18-20 s of 55-61.
+    # Peaks (MiB): 20 fixed, 10 more with micro-batches, 0.05 a row per micro-batch (0.025
+    # checkpointed); budget 52 (49.4 allowed, predictions within 46.8): 4 micro-batches measure 55.6,
+    # 8 fit (42.8, 0.08 s), the checkpointed plain step cannot (half of 102.4 MiB of activations off
+    # leaves 71); 4 checkpointed could (42.8), predicted 4/3 of 0.04 s: 2.7 s saved over 100 steps.
+    _synthetic_peaks(monkeypatch, accumulators=10, per_row=0.05, checkpointed_per_row=0.025, trace=trace)
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=52 * 2**20, verbose=False)
+    checkpointed = [c for c in planned.table if c.segments]
+    assert (planned.micro_batches, planned.segments) == ((4, 2) if traced else (8, None)), planned
+    assert any(c.measured_bytes for c in checkpointed) == traced, planned
+    if not traced:
+        assert checkpointed and all("do not repay its 10.0 s trace" in c.note for c in checkpointed), planned
 
 
 def _with_checkpointed(fake, peak):
@@ -398,6 +420,21 @@ def test_where_the_smallest_step_has_one_micro_batch_what_does_not_shrink_is_cou
     smallest = float(re.search(r"smallest peak achievable is ([\d.,]+) MiB \(micro_batches=1,", said)[1])
     fixed = float(re.search(r"about ([\d.,]+) MiB does not shrink", said)[1])
     assert fixed <= smallest and "the rest (activations" in said, said
+
+
+def test_where_shapes_leave_only_the_fused_step_nothing_else_is_traced(rng, capsys):
+    # Every other step holds every gradient at once (24 MiB here) besides weights, state and batch:
+    # over the limit, none can fit (VGG16 fine-tuned at 540 MiB: three micro-batched families traced in
+    # vain, 20 s, before "Nothing fits"). Budget below the fused step: it alone is measured, then refused.
+    model, x, y, probe = _fine_tuned(rng, rows=256)
+    fused = probe.measure(1, None, True).measured_bytes
+    every = probe.weights_bytes + probe.state_bytes + probe.batch_bytes + probe.accumulator_bytes
+    budget = int((probe.floor() + fused) / 2 / 0.95)  # measured peaks must stay within 95% of it
+    assert 0.95 * budget < every, (budget, every)
+    with pytest.raises(ValueError, match="Nothing fits"):
+        effgrad.plan(model, _LOSS, keras.optimizers.Adam(1e-4), x, y, budget=budget, verbose=True)
+    measured = re.findall(r"effgrad plan: (micro_batches=.*): [\d.,]+ MiB \(", capsys.readouterr().err)
+    assert measured and all(m.startswith("micro_batches=1,") and m.endswith("fused_update") for m in measured), measured
 
 
 def _large_vocabulary(rng):

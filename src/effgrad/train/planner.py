@@ -7,6 +7,8 @@ Algorithm::
         accumulator); a budget below that is refused at once, with the breakdown
     weights outweigh activations (fine-tuning): the plain step fused, then gathered where predicted
         to fit from it; either fitting is the plan (micro-batches and recompute could only add)
+    weights + state + batch + every gradient over the limit (shapes): only the fused plain step
+        can fit; it is measured, then checkpointed where predicted to fit from it, nothing else
     per family (one trace each: the number of micro-batches is a runtime value of the step):
         micro-batched (k >= 2): measure 1/4 of the batch per micro-batch (the whole batch; half
                                 of a batch under 16 rows) and 1/16 (a slice of it, in 2 and in 4), fit
@@ -24,7 +26,10 @@ Algorithm::
                                 recompute fits with fewer than 8 micro-batches; the plain step
                                 first where the share of its activations recomputed could bring
                                 it within the limit (no further trace if it fits with half
-                                the margin to spare)
+                                the margin to spare); else 8 or more without recompute first
+                                (calls, no trace), and where one fits, a checkpointed family
+                                only if predicted (its forward once more) to repay its trace
+                                within 100 steps
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
                                 step plus 1.5 copies of a micro-batch's logits; faster where it fits
                                 (the plain step unfused is tried before the fused one: a clear fit
@@ -117,6 +122,11 @@ __all__ = ["MemoryPlan", "Candidate", "PlannedTrainStep", "plan", "parse_budget"
 # micro-batches: it recomputes the forward pass (1.2-1.4x step time measured
 # in benchmarks/checkpoint_model), and every family costs a trace.
 _CHECKPOINT_FROM = 8
+# A checkpointed step's time, predicted before its family is traced: the unchecked step's with the
+# forward pass once more (a third of a step; measured 1.12-1.47x). Where micro-batches alone fit,
+# a checkpointed family is traced only if that prediction repays its trace within this many steps.
+_RECOMPUTE = 4 / 3
+_REPAY_STEPS = 100
 # Measured step times within this factor of the fastest, or this many seconds of it, count as
 # equally fast: a compiled call's dispatch on a busy host varies by milliseconds, which is 20%
 # and more of a small model's step (a 1 ms plain step measured 1.2x a 2-micro-batch one in CI).
@@ -439,6 +449,7 @@ class _Planner:
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
         self._waiting: dict[int, int] = {}
+        self.trace_seconds: dict[tuple, float] = {}  # per family: its first call less a call
 
     def limit_of(self, c: Candidate) -> float:
         """What ``c``'s measured peak must stay within: unfused, the kernel's gradient is made during the
@@ -582,15 +593,19 @@ class _Planner:
         run = lambda: step(x, y, sample_weight)["loss"]  # noqa: E731
         accumulators = self.accumulators_held(c.family) if c.micro_batches > 1 else 0
         resident = self.weights_bytes + self.state_bytes + accumulators + self.batch_bytes
-        peaks, times = [], []
+        peaks, times, traced = [], [], None
         if not step.trace_count:
+            start = time.perf_counter()
             peaks.append(resident + memory.measure(run).extra_bytes)
+            traced = time.perf_counter() - start
         while len(peaks) < calls or not times:
             if over is not None and peaks and peaks[-1] > over:
                 break
             start = time.perf_counter()
             peaks.append(resident + memory.measure(run).extra_bytes)
             times.append(time.perf_counter() - start)
+        if traced is not None:  # what the trace cost: a call's time less, where one was timed
+            self.trace_seconds[c.family] = traced - min(times, default=0.0)
         return peaks, min(times, default=None)
 
     def measure(
@@ -846,6 +861,35 @@ class _Planner:
             gathered.fits, gathered.note = False, "predicted over budget"
         return True
 
+    def fused_only(self, checkpointing: list[int]) -> bool:
+        """Where shapes leave only the fused one-micro-batch steps, measures them (without recompute, then
+        with each of ``checkpointing``'s segment counts where predicted to fit); whether shapes did.
+
+        Every other step holds every gradient at once (micro-batched ones in their accumulators, the
+        plain step at its update) besides the weights, the optimizer state and the batch; where that is
+        over the limit, none of them can fit, and tracing them is in vain. VGG16 fine-tuned at 540 MiB
+        (476 allowed; weights, Adam's state, batch and gradients 516): its fused step measured 481 MiB,
+        then three micro-batched families were traced, 591-604 MiB, before "Nothing fits" (20 s).
+
+        Checkpointed, the fused step is predicted as unchecked less the share of what it made over the
+        floor (activations at most) not alive at once, with a second gradient in flight (:meth:`predict`).
+        """
+        every = self.weights_bytes + self.state_bytes + self.batch_bytes + self.accumulator_bytes
+        if not self.can_fuse or self.fewest > 1 or every <= self.limit:
+            return False
+        unchecked = self.measure(1, None, True)
+        if unchecked.fits or unchecked.measured_bytes is None:
+            return True
+        spare = max(0, unchecked.measured_bytes - self.floor())
+        for segments in checkpointing:
+            c = self.candidate(1, segments, True)
+            c.predicted_bytes = int(unchecked.measured_bytes - spare * (1 - 1 / segments) + self.largest_bytes)
+            if c.predicted_bytes > self.clear_of(c):
+                c.fits, c.note = False, "predicted over budget"
+            elif self.measure(1, segments, True).fits:
+                return True
+        return True
+
     def plain_first(self, segments: int) -> bool:
         """Measures the checkpointed plain step before its family's line, where checkpointing could bring
         the plain step within the limit; whether it fits with half the margin to spare (then the
@@ -862,14 +906,59 @@ class _Planner:
         segments, for a 331-344 MiB limit; its family's line and a point further out came first, 10 s
         of 23 of planning.
         """
-        plain = self.candidates.get((1, None, False, None))
-        if self.fewest > 1 or plain is None or plain.peak_bytes is None or len(self._points(None)) < 2:
+        return self.could_fit(1, segments, self.limit) and self.fits_clear(self.measure(1, segments))
+
+    def recompute_guess(self, micro_batches: int, segments: int) -> float | None:
+        """``micro_batches`` with ``segments`` segments at best, before their family is traced: the unchecked
+        peak (measured, or predicted from the line) less the share of its activations not alive at once
+        (``segments`` segments keep at least a ``1 / segments`` share), with the gradients of one
+        micro-batch waiting as :meth:`predict` counts them checkpointed. ``None``: nothing to guess from."""
+        unchecked = self.candidates.get((micro_batches, None, False, None))
+        if unchecked is None or unchecked.peak_bytes is None or len(self._points(None)) < 2:
+            return None
+        activations = self.fitted(None)[1] * _rows(self.batch, micro_batches)
+        waiting = 0.0
+        if micro_batches == 1:
+            waiting = self.waiting_bytes(segments, activations) - self.waiting_bytes(None, activations)
+        return unchecked.peak_bytes + waiting - activations * (1 - 1 / segments)
+
+    def could_fit(self, micro_batches: int, segments: int, within: float) -> bool:
+        guess = None if micro_batches < self.fewest else self.recompute_guess(micro_batches, segments)
+        return guess is not None and guess <= within
+
+    def repays_trace(self, segments: int, best: Candidate) -> bool:
+        """Whether checkpointing with ``segments`` segments is worth its family's trace next to ``best``, a
+        measured fit of 8 or more micro-batches without recompute: the fewest micro-batches it could bring
+        within what predictions must stay within (:meth:`recompute_guess`) would take the unchecked step's
+        time with the forward pass once more, and that must save the trace's time (the unchecked
+        family's) within 100 steps. Else the table says so, on that configuration.
+
+        ResNet50 at batch 32, 50% of the way from its floor to its plain peak: 4 micro-batches measured
+        at the edge, 8 fit (1.05-1.09 s a step); 4 checkpointed were predicted at 0.99 s (measured
+        1.03-1.11), and tracing them took 18-20 s: planning took 55-61 s instead of 25.
+        """
+        sure = self.limit - self.margin / 2 * self.budget
+        fewer = [k for k in _micro_batch_choices(self.batch) if k < best.micro_batches]
+        k = next((k for k in fewer if self.could_fit(k, segments, sure)), None)
+        if k is None:
             return False
-        activations = self.fitted(None)[1] * self.batch
-        waiting = self.waiting_bytes(segments, activations) - self.waiting_bytes(None, activations)
-        if plain.peak_bytes + waiting - activations * (1 - 1 / segments) > self.limit:
-            return False
-        return self.fits_clear(self.measure(1, segments))
+        unchecked = self.candidates[(k, None, False, None)].seconds or self.seconds(None, k)
+        if unchecked is None:
+            return True  # nothing to predict its time from: traced
+        seconds = _RECOMPUTE * unchecked
+        saving, trace = best.seconds - seconds, self.trace_seconds.get((True, None, False, None), 0.0)
+        if saving * _REPAY_STEPS > trace:
+            return True
+        c = self.candidate(k, segments)
+        c.predicted_bytes, c.fits = int(self.recompute_guess(k, segments)), False
+        c.note = f"not traced: predicted {seconds:.3f} s/step at best, " + (
+            "no faster than a measured fit"
+            if saving <= 0
+            else f"{saving:.3f} s faster than a measured fit: {_REPAY_STEPS} steps do not repay its {trace:.1f} s trace"
+        )
+        if self.verbose:
+            _say(f"{c.describe()}: {c.note}")
+        return False
 
     def explore(self, segments: int | None, most: int = 3, fewer_than: int | None = None) -> None:
         """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
@@ -961,8 +1050,15 @@ class _Planner:
         counts left for after checkpointing."""
         self.explore(None, fewer_than=_CHECKPOINT_FROM if checkpointing else None)
         best = self.best()
+        if best is None and checkpointing and not self.could_fit(1, checkpointing[0], self.limit):
+            # Checkpointed, only micro-batches could fit: the many without recompute first (calls of the
+            # trace at hand), then a checkpointed family only where it repays its trace.
+            self.explore(None)
+            best = self.best()
         if best is None or best.micro_batches >= _CHECKPOINT_FROM:
             for segments in checkpointing:
+                if best is not None and not self.repays_trace(segments, best):
+                    continue
                 if not self.plain_first(segments):
                     self.explore(segments, most=2)
                 found = self.best()
@@ -1300,7 +1396,7 @@ def _plan(
         # many are measured after checkpointing, only if predicted faster than what it found: the GPT-2
         # LM's 8 micro-batches took 1.7 s of calls where its checkpointed plain step fit, 30% faster.
         checkpointing = [] if step_options.get("per_example_clip") else _segment_choices(model)
-        if not planner.one_micro_batch_first():
+        if not planner.one_micro_batch_first() and not planner.fused_only(checkpointing):
             planner.explore_families(checkpointing)
         planner.unfused()
         if planner.best() is None:
