@@ -5,8 +5,8 @@ Algorithm::
     shapes first (no trace): weights + optimizer state + the batch + the smallest gradient
         buffer any configuration needs (one gradient for a fused k=1 step, else the
         accumulator); a budget below that is refused at once, with the breakdown
-    weights outweigh activations (fine-tuning): the plain step fused, then gathered where predicted
-        to fit from it; either fitting is the plan (micro-batches and recompute could only add)
+    weights outweigh activations (fine-tuning): the plain step fused; fitting, it is the plan
+        (micro-batches and recompute could only add; the gathered step, no faster, is not traced)
     weights + state + batch + every gradient over the limit (shapes): only the fused plain step
         can fit; it is measured, then checkpointed where predicted to fit from it, nothing else
     per family (one trace each: the number of micro-batches is a runtime value of the step):
@@ -902,11 +902,8 @@ class _Planner:
         checkpointed micro-batched family, slower, is not traced; if what planning leaves on the device
         rules the plain step out, a second round plans within the budget less it).
 
-        ``segments`` segments keep at least a ``1 / segments`` share of the activations alive at once, so
-        the plain step could fit only if its peak without checkpointing (measured, or predicted from the
-        line) less the other share of its activations is within the limit, with the gradients waiting
-        for the update as :meth:`predict` counts them checkpointed (ResNet50: all of them, 89 of 90 MiB,
-        where half are counted unchecked; the GPT-2 LM: 3 MiB). Where it is, the plain step
+        It could fit only if :meth:`recompute_guess` is within the limit (the gradients waiting counted
+        checkpointed, ResNet50: all of them, 89 of 90 MiB; the GPT-2 LM: 3 MiB). Where it is, the plain step
         is the likely answer: the GPT-2 LM at 50-70% of the way from its floor to its plain peak,
         predicted unchecked at 382 MiB with 144 MiB of activations, measured 298-303 MiB with 2
         segments, for a 331-344 MiB limit; its family's line and a point further out came first, 10 s
@@ -929,6 +926,7 @@ class _Planner:
         return unchecked.peak_bytes + waiting - activations * (1 - 1 / segments)
 
     def could_fit(self, micro_batches: int, segments: int, within: float) -> bool:
+        """Whether :meth:`recompute_guess` puts ``micro_batches`` with ``segments`` segments within ``within``."""
         guess = None if micro_batches < self.fewest else self.recompute_guess(micro_batches, segments)
         return guess is not None and guess <= within
 
@@ -940,8 +938,8 @@ class _Planner:
         family's) within 100 steps. Else the table says so, on that configuration.
 
         ResNet50 at batch 32, 50% of the way from its floor to its plain peak: 4 micro-batches measured
-        at the edge, 8 fit (1.05-1.09 s a step); 4 checkpointed were predicted at 0.99 s (measured
-        1.03-1.11), and tracing them took 18-20 s: planning took 55-61 s instead of 25.
+        at the edge, 8 fit (1.0-1.09 s a step); 4 checkpointed, as fast (1.03-1.11 s) where they were
+        traced, cost 18-20 s of trace: planning took 55-61 s, 26-30 s without them.
         """
         sure = self.limit - self.margin / 2 * self.budget
         fewer = [k for k in _micro_batch_choices(self.batch) if k < best.micro_batches]
