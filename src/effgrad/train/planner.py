@@ -465,6 +465,11 @@ class _Planner:
         planning leaves on the device (0-13 MiB on ResNet50) does not rule it out."""
         return self.limit_of(c) - self.margin / 2 * self.budget
 
+    @property
+    def sure(self) -> float:
+        """What predictions must stay within: the limit less half the margin (their error, the other way)."""
+        return self.limit - self.margin / 2 * self.budget
+
     def fits_clear(self, c: Candidate) -> bool:
         """Whether ``c`` measured a fit clear of its limit (:meth:`clear_of`): one that needs no fallback (what
         planning leaves on the device, counted once it is done, cannot rule it out)."""
@@ -857,13 +862,11 @@ class _Planner:
             return False
         gathered = self.candidate(1, None)
         gathered.predicted_bytes = fused.measured_bytes + self.accumulator_bytes - self.largest_bytes
-        gathered.fits, gathered.note = (
-            False,
-            (
-                "predicted over budget"
-                if gathered.predicted_bytes > self.clear_of(gathered)
-                else "not measured: a trace more, no faster than the fused step that fits"
-            ),
+        gathered.fits = False
+        gathered.note = (
+            "predicted over budget"
+            if gathered.predicted_bytes > self.clear_of(gathered)
+            else "not measured: a trace more, no faster than the fused step that fits"
         )
         return True
 
@@ -942,9 +945,9 @@ class _Planner:
         at the edge, 8 fit (1.0-1.09 s a step); 4 checkpointed, as fast (1.03-1.11 s) where they were
         traced, cost 18-20 s of trace: planning took 55-61 s, 26-30 s without them.
         """
-        sure = self.limit - self.margin / 2 * self.budget
-        fewer = [k for k in _micro_batch_choices(self.batch) if k < best.micro_batches]
-        k = next((k for k in fewer if self.could_fit(k, segments, sure)), None)
+        fewer = [k for k in _micro_batch_choices(self.batch) if self.fewest <= k < best.micro_batches]
+        guesses = ((k, self.recompute_guess(k, segments)) for k in fewer)
+        k, guess = next(((k, g) for k, g in guesses if g is not None and g <= self.sure), (None, None))
         if k is None:
             return False
         unchecked = self.candidates[(k, None, False, None)].seconds or self.seconds(None, k)
@@ -955,7 +958,7 @@ class _Planner:
         if saving * _REPAY_STEPS > trace:
             return True
         c = self.candidate(k, segments)
-        c.predicted_bytes, c.fits = int(self.recompute_guess(k, segments)), False
+        c.predicted_bytes, c.fits = int(guess), False
         c.note = f"not traced: predicted {seconds:.3f} s/step at best, " + (
             "no faster than a measured fit"
             if saving <= 0
@@ -978,7 +981,7 @@ class _Planner:
         # What predictions must stay within: the plain step's too (it was allowed up to the measured limit
         # while its prediction counted its gradients twice; ResNet50 at a budget 3% below its plain peak
         # then measured it and its fused variant in vain, two traces: 62 s of planning instead of 19).
-        sure = self.limit - self.margin / 2 * self.budget
+        sure = self.sure
 
         def fitting(micro: bool, within: float = sure) -> list[Candidate]:
             """Re-predicted from the line as it stands; those predicted within, not measured or ruled out."""
@@ -1063,8 +1066,8 @@ class _Planner:
         if best is None or best.micro_batches >= _CHECKPOINT_FROM:
             # Against the fastest fit clear of its limit: one at the edge, what planning leaves may rule out
             # (ResNet50 at 50%: 8 micro-batches at 428 MiB of 450 allowed, ruled out; 16 chosen, 2x slower).
-            sure = [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
-            fallback = min(sure, key=lambda c: c.seconds, default=None)
+            clear = [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
+            fallback = min(clear, key=lambda c: c.seconds, default=None)
             for segments in checkpointing:
                 if fallback is not None and not self.repays_trace(segments, fallback):
                     continue
