@@ -171,6 +171,8 @@ def _synthetic_peaks(
 
     monkeypatch.setattr(planner._Planner, "_run", run)
     monkeypatch.setattr(planner._Planner, "accumulators_held", lambda self, family: accumulators * mib)
+    # The segments' outputs are in the checkpointed slope here, not on top of it as the real model's shapes say.
+    monkeypatch.setattr(planner._Planner, "boundary_bytes", lambda self, segments: 0)
     if left:
         monkeypatch.setattr(planner._Planner, "release", lambda self, keep=None: released.append(True))
         leaving = lambda device=None: real(device) + left * mib * bool(released)  # noqa: E731
@@ -274,6 +276,31 @@ def test_where_many_micro_batches_fit_checkpointing_is_traced_only_if_it_repays_
         assert checkpointed and all("do not repay its 10.0 s trace" in c.note for c in checkpointed), planned
 
 
+@pytest.mark.parametrize("trace, family_traced", [(6.0, False), (4.0, True)])
+def test_where_a_checkpointed_plain_step_fits_at_the_edge_its_family_is_traced_only_if_it_repays_its_trace(
+    rng, monkeypatch, trace, family_traced
+):
+    # ResNet50 at 50%: 7 segments' plain step fit at the edge, 8 micro-batches unchecked clear; its
+    # checkpointed micro-batched family, predicted no faster than those 8, was traced anyway (16 s of 44).
+    # Peaks (MiB): 20 fixed, 10 more with micro-batches, 0.05 a row per micro-batch, 0.014 checkpointed;
+    # budget 52 (49.4 allowed, 46.8 clear): 4 micro-batches measure 55.6, 2 segments cannot bring the
+    # plain step within the limit (half its 102.4 MiB of activations off), 8 micro-batches fit clear
+    # (42.8, 0.08 s). 2 segments' 4 micro-batches would save 2.7 s over 100 steps, too little; 8 segments'
+    # plain step (an eighth of its activations) 6.7 s, more than either trace; it measures 48.7, at the
+    # edge. 8 segments' 2 micro-batches, next, would save 5.3 s: more than a 4 s trace, less than a 6 s one.
+    _synthetic_peaks(monkeypatch, accumulators=10, per_row=0.05, checkpointed_per_row=0.014, trace=trace)
+    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: 0)  # planning leaves nothing
+    monkeypatch.setattr(planner, "_segment_choices", lambda model: [2, 8])
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=52 * 2**20, verbose=False)
+    assert (planned.micro_batches, planned.segments) == (1, 8), planned  # fits at the edge, the fastest
+    assert {c.key: c for c in planned.table}[(8, None, False, None)].fits, planned  # the fallback, clear
+    family = [c for c in planned.table if c.segments == 8 and c.micro_batches > 1]
+    assert any(c.measured_bytes for c in family) == family_traced, str(planned)
+    if not family_traced:
+        assert any("do not repay its 6.0 s trace" in c.note for c in family), planned
+
+
 def _with_checkpointed(fake, peak):
     """``fake`` whose checkpointed steps peak at ``peak`` (taking 1.3 s)."""
     unchecked = fake.measure
@@ -291,22 +318,24 @@ def _with_checkpointed(fake, peak):
 
 
 @pytest.mark.parametrize(
-    "unchecked, checkpointed, measured, first",
+    "unchecked, checkpointed, within, measured, first",
     [
-        (lambda rows: 600 + 15 * rows, 850, True, True),  # 1080 with 480 of activations: 840 possible
-        (lambda rows: 600 + 15 * rows, 920, True, False),  # fits, but not half the margin clear: explored
-        (lambda rows: 900 + 5 * rows, 850, False, False),  # 1060 with 160: at best 980, over 950
+        (lambda rows: 600 + 15 * rows, 850, 950, True, True),  # 1080 with 480 of activations: 840 possible
+        (lambda rows: 600 + 15 * rows, 920, 950, True, False),  # fits, but not half the margin clear: explored
+        (lambda rows: 900 + 5 * rows, 850, 950, False, False),  # 1060 with 160: at best 980, over 950
+        (lambda rows: 600 + 15 * rows, 850, 800, False, False),  # 840 possible, not within 800: not measured
     ],
 )
 def test_the_checkpointed_plain_step_is_measured_first_where_recompute_could_bring_it_within_the_limit(
-    unchecked, checkpointed, measured, first
+    unchecked, checkpointed, within, measured, first
 ):
     # Batch 32, 950 allowed, predictions within 900: the unchecked plain step is predicted over; with
-    # 2 segments half of its activations at most are recomputed.
+    # 2 segments half of its activations at most are recomputed. Next to a fit clear of its limit, the
+    # guess must be within what predictions must (a fit at the edge could be ruled out: a trace in vain).
     fake = _with_checkpointed(_fake_planner(unchecked, lambda k, rows: 1.0 + 0.05 * k, sub_batches=False), checkpointed)
     fake.explore(None)
     assert fake.candidate(1).measured_bytes is None and fake.candidate(1).note == "predicted over budget"
-    assert fake.plain_first(2) == first
+    assert fake.plain_first(2, within) == first
     assert (fake.candidate(1, 2).measured_bytes is not None) == measured
     assert all(c.seconds is None for c in fake.candidates.values() if c.segments and c.micro_batches > 1)
 
@@ -553,6 +582,7 @@ def _fake_planner(peak, seconds, sub_batches, batch=32):
     fake.batch, fake.fewest, fake.can_fuse, fake.margin, fake.budget, fake.candidates = batch, 1, False, 0.1, 1000, {}
     fake.accumulator_bytes = fake.largest_bytes = fake.logits_per_row = 0
     fake.held, fake._waiting = {}, {2: 0}  # no gradient waits outside a first segment (see _Planner.waiting_bytes)
+    fake._boundaries = {2: 0}  # nor are the segments' outputs kept on top of a half of the activations
     fake.sub_batches, fake.points, fake.limit = sub_batches, {}, 950
 
     def measure(k, segments=None, fused=False, calls=2):
@@ -576,17 +606,18 @@ def test_the_plain_step_is_predicted_with_the_gradients_waiting_at_its_peak():
     # Where activations are the larger part, the peak comes early in backprop: an eighth of them (measured
     # 0.01-0.37 on ResNet50 and the GPT-2 LM in fresh processes; half over-predicted both by 2-8%). Where
     # gradients are, at its end: the gradients less the activations freed by then. Fused, one gradient
-    # (the largest) is in flight instead of those waiting.
+    # (the largest) is in flight instead of those waiting, with half as much again (the update's
+    # temporaries; the GPT-2 LM's tied embedding measured 1.2-1.6 of its gradient over the line).
     fake = _fake_planner(lambda rows: 0, lambda k, rows: 1.0, sub_batches=False)
     fake.accumulator_bytes, fake.largest_bytes = 400, 50
     wide = (1000, 20)  # fixed, per row; 32 rows: 640 of activations, more than the 400 of gradients
     assert fake.predict(wide, 4) == 1000 + 20 * 8
     assert fake.predict(wide, 1) == 1000 + 20 * 32 - 400 + 400 // 8
-    assert fake.predict(wide, 1, fused=True) == 1000 + 20 * 32 - 400 + 50
+    assert fake.predict(wide, 1, fused=True) == 1000 + 20 * 32 - 400 + 75
     line = (1000, 10)  # 320 of activations < 400: 80 of the gradients wait over the line (an eighth is 50)
     plain = 1000 + 10 * 32 - 400 + 80
     assert fake.predict(line, 1) == plain
-    assert fake.predict(line, 1, fused=True) == plain - 80 + 50
+    assert fake.predict(line, 1, fused=True) == plain - 80 + 75
     # The line counted the accumulators as the allocator held them (the GPT-2 LM's 55.4 MiB held 75.2):
     # that much comes off; their shapes alone over-predicted its checkpointed plain step by 12%. Its peak
     # is in the first segment's recompute, with the gradients outside that segment waiting (ResNet50: 89
@@ -607,6 +638,13 @@ def test_a_checkpointed_plain_step_waits_with_the_gradients_outside_its_first_se
     x, y = _data(rng, (16,), 32)
     made = planner._Planner(model, _LOSS, keras.optimizers.SGD(0.01), x, y, None, None, 2**30, 0.1, {}, False)
     assert made.accumulator_bytes == 4 * 5204 and made.waiting_bytes(2, 0) == 4 * 4420
+    # Before the family is traced, its plain step is guessed from the unchecked one: half of the activations
+    # off, but the segments' outputs (64 + 64 float32 a row) kept besides the half recomputed (ResNet50 in 7
+    # segments: 28 MiB of them, 446 MiB measured, 417-423 guessed without them, a trace in vain).
+    assert made.boundary_bytes(2) == 4 * 128
+    made.points[None] = [planner._Point(2, 32, 1000, None), planner._Point(4, 32, 800, None)]  # 25 bytes a row
+    made.candidate(1).predicted_bytes = 2000  # 800 of activations at 32 rows; 20,016 of gradients wait unchecked
+    assert made.recompute_guess(1, 2) == 2000 + 4 * 4420 - (4 * 5204 - 800) - 800 / 2 + 4 * 128 * 32
     made.release()
 
 

@@ -449,6 +449,7 @@ class _Planner:
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
         self._waiting: dict[int, int] = {}
+        self._boundaries: dict[int, int] = {}
         self.trace_seconds: dict[tuple, float] = {}  # per family: its first call less a call
 
     def limit_of(self, c: Candidate) -> float:
@@ -540,6 +541,20 @@ class _Planner:
                 _gradient_bytes(v) for v in self.model.trainable_variables if id(v) not in inside
             )
         return self._waiting[segments]
+
+    def boundary_bytes(self, segments: int) -> int:
+        """Bytes a row of the segments' outputs holds: a checkpointed step keeps them for the backward pass
+        besides a segment's activations recomputed (from their static shapes: a dimension other than the
+        batch's unknown counts nothing). ResNet50 at 64x64 in 7 segments: 0.88 MiB a row."""
+        if segments not in self._boundaries:
+            from effgrad.remat.checkpointing import Checkpoint
+
+            outputs = [o for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)
+                       for o in keras.tree.flatten(layer.output)]  # fmt: skip
+            self._boundaries[segments] = sum(
+                math.prod(o.shape[1:]) * tf.as_dtype(o.dtype).size for o in outputs if None not in o.shape[1:]
+            )
+        return self._boundaries[segments]
 
     def _step(self, c: Candidate) -> TrainStep:
         """``c``'s family's one step: micro-batched ones share a trace whatever their number.
@@ -814,14 +829,16 @@ class _Planner:
         gradient the fused loss makes last: 3 MiB wait, and it measured 6-10%
         below the line as it is.
 
-        Fused, each update is made as its gradient is: one gradient (the
-        largest) in flight instead of those waiting. Measured in fresh
-        processes: the GPT-2 LM's 440-450 MiB, 1.2-1.5 of its 49 MiB tied
-        embedding over the line less the accumulators; ResNet50's 8-17 MiB
-        under it, its largest gradient being 9 MiB (two of them over-predicted
-        both by 5-9%). Checkpointed, a couple instead of those waiting
-        (ResNet50 with 2 segments measured 442 MiB, predicted 390 when half
-        the gradients came off that had not been counted).
+        Fused, each update is made as its gradient is: the largest gradient in
+        flight instead of those waiting, with half as much again (the update's
+        temporaries; a tied embedding's two partial gradients). Measured in
+        fresh processes: the GPT-2 LM's 440-450 MiB, 1.2-1.6 of its 49 MiB tied
+        embedding over the line less the accumulators (where one was counted,
+        it was predicted 3.4-8% under at every budget of a benchmark run);
+        ResNet50's 8-17 MiB under it, its largest gradient being 9 MiB (two of
+        them over-predicted both by 5-9%). Checkpointed, a couple instead of
+        those waiting (ResNet50 with 2 segments measured 442 MiB, predicted 390
+        when half the gradients came off that had not been counted).
         """
         fixed, per_row = line
         activations = per_row * _rows(self.batch, micro_batches)
@@ -829,7 +846,7 @@ class _Planner:
         if micro_batches == 1:
             peak -= self.accumulators_held((True, segments, False, None))
             if fused:  # each update inside backprop: unchecked, one gradient in flight instead of those waiting
-                peak += self.largest_bytes if segments is None else 2 * self.largest_bytes
+                peak += (1.5 if segments is None else 2) * self.largest_bytes
             else:
                 peak += self.waiting_bytes(segments, activations)
         return int(peak)
@@ -899,11 +916,12 @@ class _Planner:
                 return True
         return True
 
-    def plain_first(self, segments: int) -> bool:
+    def plain_first(self, segments: int, within: float) -> bool:
         """Measures the checkpointed plain step before its family's line, where checkpointing could bring
-        the plain step within the limit; whether it fits with half the margin to spare (then the
-        checkpointed micro-batched family, slower, is not traced; if what planning leaves on the device
-        rules the plain step out, a second round plans within the budget less it).
+        the plain step ``within`` (the limit; what predictions must stay within where a fit clear of its
+        limit is at hand); whether it fits with half the margin to spare (then the checkpointed
+        micro-batched family, slower, is not traced; if what planning leaves on the device rules the
+        plain step out, a second round plans within the budget less it).
 
         It could fit only if :meth:`recompute_guess` is within the limit (the gradients waiting counted
         checkpointed, ResNet50: all of them, 89 of 90 MiB; the GPT-2 LM: 3 MiB). Where it is, the plain step
@@ -912,40 +930,48 @@ class _Planner:
         segments, for a 331-344 MiB limit; its family's line and a point further out came first, 10 s
         of 23 of planning.
         """
-        return self.could_fit(1, segments, self.limit) and self.fits_clear(self.measure(1, segments))
+        return self.could_fit(1, segments, within) and self.fits_clear(self.measure(1, segments))
 
     def recompute_guess(self, micro_batches: int, segments: int) -> float | None:
         """``micro_batches`` with ``segments`` segments at best, before their family is traced: the unchecked
         peak (measured, or predicted from the line) less the share of its activations not alive at once
-        (``segments`` segments keep at least a ``1 / segments`` share), with the gradients of one
-        micro-batch waiting as :meth:`predict` counts them checkpointed. ``None``: nothing to guess from."""
+        (``segments`` segments keep a ``1 / segments`` share at least, and the segments' outputs:
+        :meth:`boundary_bytes`), with the gradients of one micro-batch waiting as :meth:`predict` counts
+        them checkpointed. ``None``: nothing to guess from.
+
+        ResNet50 at batch 32, its plain step in 7 segments: 446 MiB measured, 451 guessed (417-423 without
+        the segments' 28 MiB of outputs: traced in vain at its 50% budget, where predictions must stay
+        within 427); in 2 segments, 526 measured, 519 guessed.
+        """
         unchecked = self.candidates.get((micro_batches, None, False, None))
         if unchecked is None or unchecked.peak_bytes is None or len(self._points(None)) < 2:
             return None
-        activations = self.fitted(None)[1] * _rows(self.batch, micro_batches)
+        rows = _rows(self.batch, micro_batches)
+        activations = self.fitted(None)[1] * rows
         waiting = 0.0
         if micro_batches == 1:
             waiting = self.waiting_bytes(segments, activations) - self.waiting_bytes(None, activations)
-        return unchecked.peak_bytes + waiting - activations * (1 - 1 / segments)
+        kept = activations / segments + self.boundary_bytes(segments) * rows
+        return unchecked.peak_bytes + waiting - activations + kept
 
     def could_fit(self, micro_batches: int, segments: int, within: float) -> bool:
         """Whether :meth:`recompute_guess` puts ``micro_batches`` with ``segments`` segments within ``within``."""
         guess = None if micro_batches < self.fewest else self.recompute_guess(micro_batches, segments)
         return guess is not None and guess <= within
 
-    def repays_trace(self, segments: int, best: Candidate) -> bool:
+    def repays_trace(self, segments: int, best: Candidate, least: int = 1) -> bool:
         """Whether checkpointing with ``segments`` segments is worth its family's trace next to ``best``, the
         fastest measured fit clear of its limit, of 8 or more micro-batches without recompute: the fewest
-        micro-batches it could bring within what predictions must stay within (:meth:`recompute_guess`)
-        would take the unchecked step's time with the forward pass once more, and that must save the
-        trace's time (the unchecked family's) within 100 steps. Else the table says so, on that
-        configuration.
+        micro-batches (``least`` or more) it could bring within what predictions must stay within
+        (:meth:`recompute_guess`) would take the unchecked step's time with the forward pass once more, and
+        that must save the trace's time (the unchecked family's) within 100 steps. Else the table says so,
+        on that configuration.
 
         ResNet50 at batch 32, 50% of the way from its floor to its plain peak: 4 micro-batches measured
         at the edge, 8 fit (1.0-1.09 s a step); 4 checkpointed, as fast (1.03-1.11 s) where they were
         traced, cost 18-20 s of trace: planning took 55-61 s, 26-30 s without them.
         """
-        fewer = [k for k in _micro_batch_choices(self.batch) if self.fewest <= k < best.micro_batches]
+        fewer = [k for k in _micro_batch_choices(self.batch) if max(self.fewest, least) <= k < best.micro_batches]
         guesses = ((k, self.recompute_guess(k, segments)) for k in fewer)
         k, guess = next(((k, g) for k, g in guesses if g is not None and g <= self.sure), (None, None))
         if k is None:
@@ -1071,7 +1097,16 @@ class _Planner:
             for segments in checkpointing:
                 if fallback is not None and not self.repays_trace(segments, fallback):
                     continue
-                if not self.plain_first(segments):
+                # Next to a fit clear of its limit, the plain step is measured only if guessed clear too: at the
+                # edge, what planning leaves may rule it out (ResNet50 at 50%: 7 segments' plain step, guessed
+                # 445 MiB, measured 442.5 of 450.5 allowed, then ruled out by the 9 MiB planning left).
+                # Measured at the edge (or over), the checkpointed micro-batched family is a trace more, as a
+                # fallback or the answer, weighed again from two micro-batches on (ResNet50 at 50%: 4
+                # checkpointed, predicted no faster than 8 unchecked and clear, traced: 16 s of a 44 s plan).
+                within = self.limit if fallback is None else self.sure
+                if not self.plain_first(segments, within) and (
+                    fallback is None or self.repays_trace(segments, fallback, 2)
+                ):
                     self.explore(segments, most=2)
                 found = self.best()
                 if found is not None and found.segments is not None and found.micro_batches < _CHECKPOINT_FROM:
