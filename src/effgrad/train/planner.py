@@ -520,6 +520,12 @@ class _Planner:
                 self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
+    def checkpoints(self, segments: int) -> list[keras.layers.Layer]:
+        """The ``Checkpoint`` layers of the model cut in ``segments`` segments, in order."""
+        from effgrad.remat.checkpointing import Checkpoint
+
+        return [layer for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)]
+
     def waiting_bytes(self, segments: int | None, activations: float) -> float:
         """Float32 gradients a plain step holds at its peak over the line's, waiting for the update (see
         :meth:`predict`); ``activations``: what the line counts of the batch's at once.
@@ -533,9 +539,7 @@ class _Planner:
         if segments is None:
             return max(self.accumulator_bytes / 8, self.accumulator_bytes - activations)
         if segments not in self._waiting:
-            from effgrad.remat.checkpointing import Checkpoint
-
-            first = next((layer for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)), None)
+            first = next(iter(self.checkpoints(segments)), None)
             inside = {id(v) for v in (first.trainable_variables if first is not None else ())} | {id(self.later)}
             self._waiting[segments] = sum(
                 _gradient_bytes(v) for v in self.model.trainable_variables if id(v) not in inside
@@ -547,10 +551,7 @@ class _Planner:
         besides a segment's activations recomputed (from their static shapes: a dimension other than the
         batch's unknown counts nothing). ResNet50 at 64x64 in 7 segments: 0.88 MiB a row."""
         if segments not in self._boundaries:
-            from effgrad.remat.checkpointing import Checkpoint
-
-            outputs = [o for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)
-                       for o in keras.tree.flatten(layer.output)]  # fmt: skip
+            outputs = [o for layer in self.checkpoints(segments) for o in keras.tree.flatten(layer.output)]
             self._boundaries[segments] = sum(
                 math.prod(o.shape[1:]) * tf.as_dtype(o.dtype).size for o in outputs if None not in o.shape[1:]
             )
