@@ -301,6 +301,40 @@ def test_where_a_checkpointed_plain_step_fits_at_the_edge_its_family_is_traced_o
         assert any("do not repay its 6.0 s trace" in c.note for c in family), planned
 
 
+def test_next_to_a_fit_only_the_checkpointing_that_brings_the_fewest_micro_batches_within_reach_is_traced(
+    rng, monkeypatch
+):
+    # ResNet50 at 50%: 8 micro-batches fit unchecked; 2 segments were traced first (4 micro-batches, as
+    # fast as those 8), then 7 (2 micro-batches within reach), then 7's fused plain step: 74 s of planning.
+    # The peaks of the test above (budget 52, 8 unchecked fit clear at 42.8, a 1 s trace): 2 segments
+    # bring 4 micro-batches within reach, 8 segments the plain step; the forward pass is recomputed once
+    # whatever the segments, so 8's are predicted the fastest, and 2's family is not traced.
+    _synthetic_peaks(monkeypatch, accumulators=10, per_row=0.05, checkpointed_per_row=0.014, trace=1.0)
+    monkeypatch.setattr(effgrad.memory, "current_bytes", lambda device=None: 0)  # planning leaves nothing
+    monkeypatch.setattr(planner, "_segment_choices", lambda model: [2, 8])
+    model, (x, y) = _wide_mlp(), _data(rng, (32,), 2048)
+    planned = effgrad.plan(model, _LOSS, keras.optimizers.SGD(0.01), x, y, budget=52 * 2**20, verbose=False)
+    assert planned.segments == 8, planned
+    assert not any(c.segments == 2 for c in planned.table), planned  # neither traced nor predicted
+
+
+@pytest.mark.parametrize("seconds, measured", [(lambda k, rows: 1.0, False), (lambda k, rows: 0.5 + 0.1 * k, True)])
+def test_a_checkpointed_plain_step_predicted_as_fast_as_a_measured_fit_is_not_traced(seconds, measured):
+    # ResNet50 at 50%, 7 segments: their fused plain step, predicted 0.435 s a step next to 2 checkpointed
+    # micro-batches' 0.450, was traced (10-15 s) and measured 0.619. Here every step takes 1 s: the
+    # checkpointed plain step, predicted within the budget, is not traced next to 8 micro-batches that
+    # fit clear (unchecked, the plain step users know still is); predicted 0.6 s, it is.
+    fake = _fake_planner(lambda rows: 100 + 15 * rows, seconds, sub_batches=False)
+    fake.candidates[(8, None, False, None)] = planner.Candidate(8, measured_bytes=500, seconds=1.0, fits=True)
+    fake.explore(2)
+    plain = fake.candidate(1, 2)
+    assert plain.predicted_bytes <= fake.sure and (plain.seconds is not None) == measured, fake.candidates
+    if not measured:
+        assert plain.note == "not measured: predicted 1.000 s/step, no faster than a measured fit", plain
+    fake.explore(None)
+    assert fake.candidate(1).seconds is not None, fake.candidates
+
+
 def _with_checkpointed(fake, peak):
     """``fake`` whose checkpointed steps peak at ``peak`` (taking 1.3 s)."""
     unchecked = fake.measure

@@ -960,27 +960,36 @@ class _Planner:
         guess = None if micro_batches < self.fewest else self.recompute_guess(micro_batches, segments)
         return guess is not None and guess <= within
 
+    def recompute_best(self, segments: int, fewer_than: int, least: int = 1) -> tuple[int, float, float | None] | None:
+        """The fewest micro-batches (``least`` or more, fewer than ``fewer_than``) that checkpointing with
+        ``segments`` segments could bring within what predictions must stay within (:meth:`recompute_guess`):
+        ``(k, guess, seconds)``, ``seconds`` the unchecked step's time with the forward pass once more
+        (``None``: nothing to predict it from); ``None`` if no count could."""
+        for k in _micro_batch_choices(self.batch):
+            if max(self.fewest, least) <= k < fewer_than:
+                guess = self.recompute_guess(k, segments)
+                if guess is not None and guess <= self.sure:
+                    unchecked = self.candidates[(k, None, False, None)].seconds or self.seconds(None, k)
+                    return k, guess, None if unchecked is None else _RECOMPUTE * unchecked
+        return None
+
     def repays_trace(self, segments: int, best: Candidate, least: int = 1) -> bool:
         """Whether checkpointing with ``segments`` segments is worth its family's trace next to ``best``, the
         fastest measured fit clear of its limit, of 8 or more micro-batches without recompute: the fewest
-        micro-batches (``least`` or more) it could bring within what predictions must stay within
-        (:meth:`recompute_guess`) would take the unchecked step's time with the forward pass once more, and
-        that must save the trace's time (the unchecked family's) within 100 steps. Else the table says so,
-        on that configuration.
+        micro-batches it could bring within what predictions must stay within (:meth:`recompute_best`)
+        must save the trace's time (the unchecked family's) within 100 steps. Else the table says so, on
+        that configuration.
 
         ResNet50 at batch 32, 50% of the way from its floor to its plain peak: 4 micro-batches measured
         at the edge, 8 fit (1.0-1.09 s a step); 4 checkpointed, as fast (1.03-1.11 s) where they were
         traced, cost 18-20 s of trace: planning took 55-61 s, 26-30 s without them.
         """
-        fewer = [k for k in _micro_batch_choices(self.batch) if max(self.fewest, least) <= k < best.micro_batches]
-        guesses = ((k, self.recompute_guess(k, segments)) for k in fewer)
-        k, guess = next(((k, g) for k, g in guesses if g is not None and g <= self.sure), (None, None))
-        if k is None:
+        found = self.recompute_best(segments, best.micro_batches, least)
+        if found is None:
             return False
-        unchecked = self.candidates[(k, None, False, None)].seconds or self.seconds(None, k)
-        if unchecked is None:
+        k, guess, seconds = found
+        if seconds is None:
             return True  # nothing to predict its time from: traced
-        seconds = _RECOMPUTE * unchecked
         saving, trace = best.seconds - seconds, self.trace_seconds.get((True, None, False, None), 0.0)
         if saving * _REPAY_STEPS > trace:
             return True
@@ -994,6 +1003,24 @@ class _Planner:
         if self.verbose:
             _say(f"{c.describe()}: {c.note}")
         return False
+
+    def most_promising(self, checkpointing: list[int], best: Candidate) -> list[int]:
+        """Of ``checkpointing``'s segment counts, the one that brings the fewest micro-batches within reach
+        (:meth:`recompute_best`), the fewest segments of those (as :meth:`best` prefers), as a list. Next
+        to a fit, one checkpointed family is traced: each is a trace, and the others, needing as many
+        micro-batches or more, are predicted no faster (the forward pass is recomputed once, whatever the
+        segments).
+
+        ResNet50 at 50% of the way from its floor to its plain peak, 8 micro-batches fitting: 2 segments
+        traced first (4 micro-batches, 0.73 s a step, as fast as the 8), then 7 (2 micro-batches within
+        reach): three traces, 74 s of planning.
+        """
+
+        def fewest(segments: int) -> float:
+            found = self.recompute_best(segments, best.micro_batches)
+            return math.inf if found is None else found[0]
+
+        return sorted(checkpointing, key=lambda segments: (fewest(segments), segments))[:1]
 
     def explore(self, segments: int | None, most: int = 3, fewer_than: int | None = None) -> None:
         """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
@@ -1022,6 +1049,19 @@ class _Planner:
                     and (c.micro_batches > 1) == micro and c.fused_loss is None and not c.note
                     and c.predicted_bytes <= within]  # fmt: skip
 
+        def no_faster(k: int) -> float | None:
+            """``k``'s predicted time where a measured fit clear of its limit is as fast (``None``: else)."""
+            fastest = [m.seconds for m in self.candidates.values() if self.fits_clear(m)]
+            predicted = self.seconds(segments, k)
+            if not fastest or predicted is None:
+                return None
+            if k > 1:
+                return None if predicted < min(fastest) else predicted
+            # A checkpointed one-micro-batch step is a trace more: not for one predicted as fast within timing
+            # noise (ResNet50 at 50%, 7 segments: its fused plain step, predicted 0.435 s/step next to 2
+            # micro-batches' 0.450, traced: 0.619). Unchecked, it is the plain step users know, the simplest.
+            return predicted if segments is not None and same_speed(min(fastest), predicted) else None
+
         def measure_plain(plain: list[Candidate]) -> None:
             unfused = self.candidates.get((1, None, False, False))
             for c in sorted(plain, key=lambda c: c.fused_update):
@@ -1029,6 +1069,8 @@ class _Planner:
                     c.note = "not measured: the gathered step fits and is faster"
                 elif segments is None and unfused is not None and self.fits_clear(unfused):
                     c.note = "not measured: the unfused loss fits and is faster"
+                elif (predicted := no_faster(1)) is not None:
+                    c.note = f"not measured: predicted {predicted:.3f} s/step, no faster than a measured fit"
                 else:
                     self.measure(1, segments, c.fused_update)
 
@@ -1062,9 +1104,7 @@ class _Planner:
             # 13.2 MiB left over; at a 506 MiB budget, more than half the margin was left, before the second
             # round, and "Nothing fits" was said).
             c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
-            fastest = [m.seconds for m in self.candidates.values() if self.fits_clear(m)]
-            predicted = self.seconds(segments, c.micro_batches)
-            if fastest and predicted is not None and predicted >= min(fastest):
+            if (predicted := no_faster(c.micro_batches)) is not None:
                 c.note = f"not measured: predicted {predicted:.3f} s/step, no faster than a measured fit"
                 continue
             self.measure(c.micro_batches, segments)
@@ -1080,9 +1120,10 @@ class _Planner:
 
     def explore_families(self, checkpointing: list[int]) -> None:
         """:meth:`explore` without checkpointing, then, where that needs 8 or more micro-batches or
-        nothing fits, with each of ``checkpointing``'s segment counts (the plain step first where
-        recompute could bring it within the limit) until one fits with fewer; then the micro-batch
-        counts left for after checkpointing."""
+        nothing fits, with checkpointing (the plain step first where recompute could bring it within the
+        limit): next to a fit clear of its limit, the most promising segment count only
+        (:meth:`most_promising`), if it repays its trace; else each of ``checkpointing``'s until one fits
+        with fewer micro-batches. Then the micro-batch counts left for after checkpointing."""
         self.explore(None, fewer_than=_CHECKPOINT_FROM if checkpointing else None)
         best = self.best()
         if best is None and checkpointing and not self.could_fit(1, checkpointing[0], self.limit):
@@ -1095,7 +1136,8 @@ class _Planner:
             # (ResNet50 at 50%: 8 micro-batches at 428 MiB of 450 allowed, ruled out; 16 chosen, 2x slower).
             clear = [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
             fallback = min(clear, key=lambda c: c.seconds, default=None)
-            for segments in checkpointing:
+            tried = checkpointing if fallback is None else self.most_promising(checkpointing, fallback)
+            for segments in tried:
                 if fallback is not None and not self.repays_trace(segments, fallback):
                     continue
                 # Next to a fit clear of its limit, the plain step is measured only if guessed clear too: at the
