@@ -532,12 +532,14 @@ class _Planner:
 
         Unchecked: were activations freed and gradients made at an even pace through backprop, the
         peak would be its start where activations are the larger part (nothing waits) and its end
-        otherwise (the gradients less the activations by then freed); an eighth of them at least, as
-        measured where activations dominate. Checkpointed, the peak is where the first segment is
-        recomputed (segments hold about equal activations, and the first is recomputed last): those of
-        every variable outside that segment. Not a fused loss's kernel, made after."""
+        otherwise (the gradients less the activations by then freed); a quarter of them at least, as
+        measured where activations dominate (the GPT-2 LM: 0.3 of its 55 MiB; ResNet50's plain step,
+        counted an eighth of its 90 MiB, was predicted 2.8-3.5% under its 552 MiB in fresh processes).
+        Checkpointed, the peak is where the first segment is recomputed (segments hold about equal
+        activations, and the first is recomputed last): those of every variable outside that segment. Not
+        a fused loss's kernel, made after."""
         if segments is None:
-            return max(self.accumulator_bytes / 8, self.accumulator_bytes - activations)
+            return max(self.accumulator_bytes / 4, self.accumulator_bytes - activations)
         if segments not in self._waiting:
             first = next(iter(self.checkpoints(segments)), None)
             inside = {id(v) for v in (first.trainable_variables if first is not None else ())} | {id(self.later)}
@@ -1182,8 +1184,10 @@ class _Planner:
         The fused loss makes the logits twice (a third more of the head's matmuls: the GPT-2 LM's step
         1.02-1.06x slower, a 100,000-class classifier's 1.39x), so where the budget leaves room for them
         the unfused step is faster. Its peak is predicted as the fused step's with as many micro-batches
-        plus 1.5 float32 copies of a micro-batch's logits (measured here at one micro-batch: 1.6 on the
-        GPT-2 LM at T=256, 1.2 on a Dense head to 20,000 classes), within half the margin. Only micro-batch counts
+        plus 1.4 float32 copies of a micro-batch's logits (measured at one micro-batch in fresh processes:
+        1.37 on the GPT-2 LM at T=256, 925-929 MiB against 387 fused; up to 1.6 in a planning process;
+        1.2 on a Dense head to 20,000 classes; counted 1.5, it was predicted 3.5-6.5% over in the last
+        benchmark run), within half the margin. Only micro-batch counts
         up to the best fused one's are tried (more would be slower), without checkpointing, and at most
         two, since each new family is a trace.
         """
@@ -1211,7 +1215,7 @@ class _Planner:
         c = self.candidate(micro_batches, None, False, fused_loss=False)
         if c.measured_bytes is not None or c.note == "out of memory":
             return c
-        c.predicted_bytes = int(base + 1.5 * self.logits_per_row * _rows(self.batch, micro_batches))
+        c.predicted_bytes = int(base + 1.4 * self.logits_per_row * _rows(self.batch, micro_batches))
         if c.predicted_bytes > (self.clear_of(c) if fused.measured_bytes is None else self.limit_of(c)):
             c.fits, c.note = False, "predicted over budget"
             return c
