@@ -27,11 +27,12 @@ Algorithm::
                                 first where the share of its activations recomputed could bring
                                 it within the limit (no further trace if it fits with half
                                 the margin to spare); else 8 or more without recompute first
-                                (calls, no trace), and where one fits, a checkpointed family
+                                (calls, no trace), and where one fits, one checkpointed family
+                                (the segments bringing the fewest micro-batches within reach)
                                 only if predicted (its forward once more) to repay its trace
                                 within 100 steps
         unfused loss (where "auto" fuses it): the fewest micro-batches predicted to fit as the fused
-                                step plus 1.5 copies of a micro-batch's logits; faster where it fits
+                                step plus 1.4 copies of a micro-batch's logits; faster where it fits
                                 (the plain step unfused is tried before the fused one: a clear fit
                                 saves that trace)
     nothing measured fits: those ruled out by a prediction within half the margin over their
