@@ -639,7 +639,7 @@ def test_the_plain_step_is_predicted_with_the_gradients_waiting_at_its_peak():
     # up as they are made; the plain step has no accumulator, and its gradients wait for the update.
     # Where activations are the larger part, the peak comes early in backprop: a quarter of them (measured
     # 0.01-0.37 on ResNet50 and the GPT-2 LM in fresh processes; half over-predicted both by 2-8%, an
-    # eighth under-predicted both by 3-5%). Where
+    # eighth under-predicted both by 2.8-7%). Where
     # gradients are, at its end: the gradients less the activations freed by then. Fused, one gradient
     # (the largest) is in flight instead of those waiting, with half as much again (the update's
     # temporaries; the GPT-2 LM's tied embedding measured 1.2-1.6 of its gradient over the line).

@@ -1187,8 +1187,8 @@ class _Planner:
         the unfused step is faster. Its peak is predicted as the fused step's with as many micro-batches
         plus 1.4 float32 copies of a micro-batch's logits (measured at one micro-batch in fresh processes:
         1.37 on the GPT-2 LM at T=256, 925-929 MiB against 387 fused; up to 1.6 in a planning process;
-        1.2 on a Dense head to 20,000 classes; counted 1.5, it was predicted 3.5-6.5% over in the last
-        benchmark run), within half the margin. Only micro-batch counts
+        1.2 on a Dense head to 20,000 classes; counted 1.5, it was predicted 3.5-6.5% over in a benchmark
+        run), within half the margin. Only micro-batch counts
         up to the best fused one's are tried (more would be slower), without checkpointing, and at most
         two, since each new family is a trace.
         """
