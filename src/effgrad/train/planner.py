@@ -1007,9 +1007,9 @@ class _Planner:
             _say(f"{c.describe()}: {c.note}")
         return False
 
-    def most_promising(self, checkpointing: list[int], best: Candidate) -> list[int]:
+    def most_promising(self, checkpointing: list[int], best: Candidate) -> int:
         """Of ``checkpointing``'s segment counts, the one that brings the fewest micro-batches within reach
-        (:meth:`recompute_best`), the fewest segments of those (as :meth:`best` prefers), as a list. Next
+        (:meth:`recompute_best`), the fewest segments of those (as :meth:`best` prefers). Next
         to a fit, one checkpointed family is traced: each is a trace, and the others, needing as many
         micro-batches or more, are predicted no faster (the forward pass is recomputed once, whatever the
         segments).
@@ -1023,7 +1023,7 @@ class _Planner:
             found = self.recompute_best(segments, best.micro_batches)
             return math.inf if found is None else found[0]
 
-        return sorted(checkpointing, key=lambda segments: (fewest(segments), segments))[:1]
+        return min(checkpointing, key=lambda segments: (fewest(segments), segments))
 
     def explore(self, segments: int | None, most: int = 3, fewer_than: int | None = None) -> None:
         """Predicts every configuration of one checkpointing choice; measures up to ``most`` predicted to fit.
@@ -1139,7 +1139,9 @@ class _Planner:
             # (ResNet50 at 50%: 8 micro-batches at 428 MiB of 450 allowed, ruled out; 16 chosen, 2x slower).
             clear = [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
             fallback = min(clear, key=lambda c: c.seconds, default=None)
-            tried = checkpointing if fallback is None else self.most_promising(checkpointing, fallback)
+            tried = checkpointing
+            if fallback is not None and checkpointing:
+                tried = [self.most_promising(checkpointing, fallback)]
             for segments in tried:
                 if fallback is not None and not self.repays_trace(segments, fallback):
                     continue
