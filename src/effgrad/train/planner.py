@@ -53,8 +53,9 @@ that in another process history, below), and is tried only when its
 prediction leaves half the margin more. Half the margin absorbs prediction
 error, half the allocator's run-to-run noise and what ``fit`` adds (the next
 batch its input pipeline prepares). A configuration measured within half
-the margin of its limit is called twice more, and its peak plus the spread
-between its calls must stay within the limit: training's calls go higher
+the margin of its limit is called up to twice more (no more once its peak
+plus the spread between its calls is over the limit), and that sum must stay
+within the limit: training's calls go higher
 than two (ResNet50 in a used process: plans measured 4 micro-batches at
 440-450 MiB of 450.9 allowed, and ``fit`` peaked at up to 475.3 MiB of a
 474.6 MiB budget).
@@ -449,6 +450,7 @@ class _Planner:
         self.candidates: dict[tuple, Candidate] = {}
         self.steps: dict[tuple, TrainStep] = {}
         self._checkpointed: dict[int, keras.Model] = {}
+        self._segments: dict[int, list[tuple[list, list]]] = {}
         self._waiting: dict[int, int] = {}
         self._boundaries: dict[int, int] = {}
         self.trace_seconds: dict[tuple, float] = {}  # per family: its first call less a call
@@ -521,11 +523,20 @@ class _Planner:
                 self._checkpointed[segments] = checkpoint_model(self.model, segments=segments)
         return self._checkpointed[segments]
 
-    def checkpoints(self, segments: int) -> list[keras.layers.Layer]:
-        """The ``Checkpoint`` layers of the model cut in ``segments`` segments, in order."""
-        from effgrad.remat.checkpointing import Checkpoint
+    def segments_of(self, segments: int) -> list[tuple[list, list]]:
+        """``(layers, outputs)`` of each segment of the model cut in ``segments`` segments, in order, as
+        ``checkpoint_model`` cuts it, without building it (the planner weighs counts it never traces)."""
+        if segments not in self._segments:
+            from effgrad.remat.checkpointing import segment_bounds
 
-        return [layer for layer in self.model_for(segments).layers if isinstance(layer, Checkpoint)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # segments that cannot all be placed: the table says what was built
+                g, bounds = segment_bounds(self.model, segments)
+            self._segments[segments] = [
+                ([node.operation for node in g.nodes[start:stop]], g.segment_io(start, stop)[1])
+                for start, stop in zip(bounds, bounds[1:])
+            ]
+        return self._segments[segments]
 
     def waiting_bytes(self, segments: int | None, activations: float) -> float:
         """Float32 gradients a plain step holds at its peak over the line's, waiting for the update (see
@@ -542,8 +553,8 @@ class _Planner:
         if segments is None:
             return max(self.accumulator_bytes / 4, self.accumulator_bytes - activations)
         if segments not in self._waiting:
-            first = next(iter(self.checkpoints(segments)), None)
-            inside = {id(v) for v in (first.trainable_variables if first is not None else ())} | {id(self.later)}
+            first = next(iter(self.segments_of(segments)), ([], []))[0]
+            inside = {id(v) for layer in first for v in layer.trainable_variables} | {id(self.later)}
             self._waiting[segments] = sum(
                 _gradient_bytes(v) for v in self.model.trainable_variables if id(v) not in inside
             )
@@ -554,7 +565,7 @@ class _Planner:
         besides a segment's activations recomputed (from their static shapes: a dimension other than the
         batch's unknown counts nothing). ResNet50 at 64x64 in 7 segments: 0.88 MiB a row."""
         if segments not in self._boundaries:
-            outputs = [o for layer in self.checkpoints(segments) for o in keras.tree.flatten(layer.output)]
+            outputs = [o for _, segment_outputs in self.segments_of(segments) for o in segment_outputs]
             self._boundaries[segments] = sum(
                 math.prod(o.shape[1:]) * tf.as_dtype(o.dtype).size for o in outputs if None not in o.shape[1:]
             )
@@ -650,10 +661,15 @@ class _Planner:
                 # A fit within half the margin of its limit: training's calls can go higher than two did
                 # (ResNet50's 4 micro-batches: 67-85 MiB above the resident state over 4 calls; plans
                 # that measured them at 440-450 MiB of 450.9 allowed peaked at fit level at up to
-                # 475.3 MiB of a 474.6 MiB budget). Two calls more, and the spread between the calls
-                # counts against the limit too.
-                more, seconds = self._run(candidate, calls, self.batch)
-                peaks, candidate.seconds = peaks + more, min(candidate.seconds, seconds)
+                # 475.3 MiB of a 474.6 MiB budget). Up to two calls more, and the spread between the
+                # calls counts against the limit too: one by one, since more calls only widen the spread
+                # and raise the peak, a sum over the limit already is the verdict (ResNet50 at 50%:
+                # 445.2 and 449.6 MiB of 450.9, two calls of 0.55 s saved).
+                for _ in range(calls):
+                    if max(peaks) + max(peaks) - min(peaks) > limit:
+                        break
+                    more, seconds = self._run(candidate, 1, self.batch)
+                    peaks, candidate.seconds = peaks + more, min(candidate.seconds, seconds)
                 candidate.spread_bytes = max(peaks) - min(peaks)
             candidate.measured_bytes = max(peaks)
             candidate.fits = candidate.measured_bytes + candidate.spread_bytes <= limit
@@ -704,7 +720,8 @@ class _Planner:
 
     def restore(self) -> None:
         for variable, value in zip(_components(self.state), self.snapshot, strict=True):
-            variable.assign(tf.zeros(variable.shape, variable.dtype) if value is None else value)
+            source = tf.zeros(variable.shape, variable.dtype) if value is None else tf.constant(value)
+            variable.assign(source)
 
     def release(self, keep: Candidate | None = None) -> TrainStep | None:
         """Drops what planning made on the device (steps, their accumulators), but for ``keep``'s step,
@@ -756,7 +773,13 @@ class _Planner:
             if self.measure(max(2, math.ceil(self.batch / r)), segments).measured_bytes is None:
                 return None
         if len(whole) == 1:
-            for k in (2, 4):
+            # Next to a fit clear of its limit, the times must say which counts are no faster than it (and
+            # are not measured): 2 micro-batches and 4 give what one costs, unless the whole batch's points
+            # do. Without one, more micro-batches are measured on the whole batch next, their time the third
+            # point: 4 only (ResNet50 at 50%: k=4 at the edge, 0.2 s of calls less), the larger peak of the
+            # two in the runs measured (401.4 and 405.2 MiB; 398.6 and 405.5).
+            clear = any(map(self.fits_clear, self.candidates.values()))
+            for k in (2, 4) if clear and self.seconds(segments, 1) is None else (4,):
                 if not self.probe(k, k * near, segments):
                     return None
             # One call each, at the same rows per micro-batch: the point's peak is the larger, as two calls
@@ -1105,8 +1128,13 @@ class _Planner:
             # counted once it is done (ResNet50: 0-13 MiB in the last runs, up to 37 in earlier ones), may rule it
             # out, and then the next one is needed (ResNet50 at batch 32: k=4 measured 445.3 MiB of 448.8, then
             # 13.2 MiB left over; at a 506 MiB budget, more than half the margin was left, before the second
-            # round, and "Nothing fits" was said).
-            c = min(micro, key=lambda c: (self.seconds(segments, c.micro_batches) or 0, c.micro_batches))
+            # round, and "Nothing fits" was said). Without a fit clear of its limit, the fewest first: the
+            # time per micro-batch comes from the line's two one-call slices until then, whose noise can make
+            # it negative and put the most first (ResNet50 at 50%: slices of 0.23 and 0.26 s, k=4 over; 32
+            # micro-batches predicted fastest, 3.4 s of calls, 1.7 s a step); the fewest's whole-batch time
+            # refits it.
+            clear = any(map(self.fits_clear, self.candidates.values()))
+            c = min(micro, key=lambda c: ((self.seconds(segments, c.micro_batches) or 0) * clear, c.micro_batches))
             if (predicted := no_faster(c.micro_batches)) is not None:
                 c.note = f"not measured: predicted {predicted:.3f} s/step, no faster than a measured fit"
                 continue
@@ -1464,10 +1492,6 @@ def _plan(
         model, loss, optimizer, x, y, sample_weight, strategy, budget_bytes, margin, dict(step_options), verbose,
         built_bytes=built,
     )  # fmt: skip
-    # What planning may leave behind is counted from here, garbage of earlier work collected first:
-    # freed during planning (release collects), it would hide what planning leaves (a used process).
-    gc.collect()
-    resident = memory.current_bytes()
     floor = planner.floor()
     if floor > planner.limit:
         raise ValueError(
@@ -1482,11 +1506,16 @@ def _plan(
             f"batch {planner.batch}, budget {budget_bytes / _MIB:,.1f} MiB, floor {floor / _MIB:,.1f} MiB; "
             "measuring configurations (a trace per family)"
         )
-    # What exists now is left out of release's collection, which then looks at what planning made only
-    # (ResNet50: 0.23 s less); unless the process froze objects of its own (a pre-forking server).
+    # What planning may leave behind is counted from here. Garbage of earlier work freed during planning
+    # (release collects) would hide it (a used process): frozen, what exists now is left out of release's
+    # collection, which then looks at what planning made only (ResNet50: 0.23 s less, and 0.18 s of
+    # collecting first). A process that froze objects of its own (a pre-forking server) is collected first.
     freeze = not gc.get_freeze_count()
     if freeze:
         gc.freeze()
+    else:
+        gc.collect()
+    resident = memory.current_bytes()
     best = None  # what release keeps if planning fails
     try:
         # Recomputing the forward pass costs 1.2-1.4x; only where micro-batching alone needs many. Those
