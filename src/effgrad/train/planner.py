@@ -479,6 +479,10 @@ class _Planner:
         planning leaves on the device, counted once it is done, cannot rule it out)."""
         return bool(c.fits) and c.measured_bytes <= self.clear_of(c)
 
+    def clear_fits(self) -> list[Candidate]:
+        """The measured, timed configurations that fit clear of their limit (:meth:`fits_clear`)."""
+        return [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
+
     def accumulators_held(self, family: tuple) -> int:
         """What a micro-batched family's accumulators hold on the allocator: as allocated, at least their shapes."""
         return max(self.accumulator_bytes, self.held.get(family, 0))
@@ -782,8 +786,7 @@ class _Planner:
             # do. Without one, more micro-batches are measured on the whole batch next, their time the third
             # point: 4 only (ResNet50 at 50%: k=4 at the edge, 0.2 s of calls less), the larger peak of the
             # two in the runs measured (401.4 and 405.2 MiB; 398.6 and 405.5).
-            clear = any(map(self.fits_clear, self.candidates.values()))
-            for k in (2, 4) if clear and self.seconds(segments, 1) is None else (4,):
+            for k in (2, 4) if self.clear_fits() and self.seconds(segments, 1) is None else (4,):
                 if not self.probe(k, k * near, segments):
                     return None
             # One call each, at the same rows per micro-batch: the point's peak is the larger, as two calls
@@ -1081,7 +1084,7 @@ class _Planner:
 
         def no_faster(k: int) -> float | None:
             """``k``'s predicted time where a measured fit clear of its limit is as fast (``None``: else)."""
-            fastest = [m.seconds for m in self.candidates.values() if self.fits_clear(m)]
+            fastest = [m.seconds for m in self.clear_fits()]
             predicted = self.seconds(segments, k)
             if not fastest or predicted is None:
                 return None
@@ -1137,7 +1140,7 @@ class _Planner:
             # it negative and put the most first (ResNet50 at 50%: slices of 0.23 and 0.26 s, k=4 over; 32
             # micro-batches predicted fastest, 3.4 s of calls, 1.7 s a step); the fewest's whole-batch time
             # refits it.
-            clear = any(map(self.fits_clear, self.candidates.values()))
+            clear = bool(self.clear_fits())
             c = min(micro, key=lambda c: ((self.seconds(segments, c.micro_batches) or 0) * clear, c.micro_batches))
             if (predicted := no_faster(c.micro_batches)) is not None:
                 c.note = f"not measured: predicted {predicted:.3f} s/step, no faster than a measured fit"
@@ -1169,8 +1172,7 @@ class _Planner:
         if best is None or best.micro_batches >= _CHECKPOINT_FROM:
             # Against the fastest fit clear of its limit: one at the edge, what planning leaves may rule out
             # (ResNet50 at 50%: 8 micro-batches at 428 MiB of 450 allowed, ruled out; 16 chosen, 2x slower).
-            clear = [c for c in self.candidates.values() if self.fits_clear(c) and c.seconds is not None]
-            fallback = min(clear, key=lambda c: c.seconds, default=None)
+            fallback = min(self.clear_fits(), key=lambda c: c.seconds, default=None)
             tried = checkpointing
             if fallback is not None and checkpointing:
                 tried = [self.most_promising(checkpointing, fallback)]
