@@ -454,6 +454,7 @@ class _Planner:
         self._waiting: dict[int, int] = {}
         self._boundaries: dict[int, int] = {}
         self.trace_seconds: dict[tuple, float] = {}  # per family: its first call less a call
+        self.reached = 0  # the highest peak a call measured (see _run)
 
     def limit_of(self, c: Candidate) -> float:
         """What ``c``'s measured peak must stay within: unfused, the kernel's gradient is made during the
@@ -465,8 +466,8 @@ class _Planner:
     def clear_of(self, c: Candidate) -> float:
         """What ``c``'s measured peak must stay within to fit clear of its limit: half the margin below it,
         the whole margin below the budget (with the reserve). Clear of it by that much, two calls are enough
-        (ResNet50's ``fit`` peaks went up to 35 MiB above the plan's two calls, of 47.5 of margin), and what
-        planning leaves on the device (0-13 MiB on ResNet50) does not rule it out."""
+        (one, see :meth:`_run`; ResNet50's ``fit`` peaks went up to 35 MiB above the plan's two calls, of 47.5
+        of margin), and what planning leaves on the device (0-13 MiB on ResNet50) does not rule it out."""
         return self.limit_of(c) - self.margin / 2 * self.budget
 
     @property
@@ -608,15 +609,24 @@ class _Planner:
         accumulate.refill_accumulators(step._accumulators or [], step.model.trainable_variables)
         return step
 
-    def _run(self, c: Candidate, calls: int, rows: int, over: float | None = None) -> tuple[list[int], float | None]:
+    def _run(
+        self, c: Candidate, calls: int, rows: int, over: float | None = None, clear: float | None = None
+    ) -> tuple[list[int], float | None]:
         """``(peaks, seconds)`` of ``calls`` calls of a step on the batch's first ``rows`` rows, each
         peak as on the whole batch, and the fastest of their times; the calls stop at a peak above
-        ``over`` (more could only confirm it: the GPT-2 LM's 2 micro-batches, 0.7 s a call).
+        ``over`` (more could only confirm it: the GPT-2 LM's 2 micro-batches, 0.7 s a call), and after
+        one timed call whose peak is within ``clear`` and within the highest an earlier call reached.
 
         The peak varies from call to call with how the executor's threads interleave frees and
         allocations. Two calls of a candidate (a third cost the GPT-2 LM's plan 0.6-0.9 s per
-        configuration), two more at the edge of the limit (:meth:`measure`); a line point on a slice,
-        one call in each of two configurations (:meth:`line`).
+        configuration), two more at the edge of the limit (:meth:`measure`); one where a call is clear of
+        its limit (the margin left is for the calls' spread: 5-11 MiB of ResNet50's 4 micro-batches) and
+        within what an earlier call reached. It touches no new memory, and its time is 0-17% above the
+        next calls' (ResNet50's 8 micro-batches after 4: 0.598 s, then 0.579-0.630, as 16 and 32; in 7
+        segments, 4 after 2: 0.73, then 0.61-0.63): 0.5 s of ResNet50's plan at 50% of the way from its
+        floor to its plain peak. Such a time errs high, never low (:meth:`repays_trace` allows for it).
+        Above what was reached, slower: its 2 micro-batches after 4, 57 MiB higher, 0.506 s, then
+        0.344-0.358. A line point on a slice: one call in each of two configurations (:meth:`line`).
 
         A family's first call (on the whole batch, see :meth:`line`) traces: its peak counts as a call's,
         its time does not, and one more call is timed, unless the peak is above ``over`` (the time is then
@@ -640,11 +650,14 @@ class _Planner:
         while len(peaks) < calls or not times:
             if over is not None and peaks and peaks[-1] > over:
                 break
+            if clear is not None and times and max(peaks) <= min(clear, self.reached):
+                break
             start = time.perf_counter()
             peaks.append(resident + memory.measure(run).extra_bytes)
             times.append(time.perf_counter() - start)
         if traced is not None:  # what the trace cost: a call's time less, where one was timed
             self.trace_seconds[c.family] = traced - min(times, default=0.0)
+        self.reached = max(self.reached, *peaks)
         return peaks, min(times, default=None)
 
     def measure(
@@ -660,7 +673,9 @@ class _Planner:
             return candidate
         try:
             limit = self.limit_of(candidate)
-            peaks, candidate.seconds = self._run(candidate, calls, self.batch, over=limit)
+            peaks, candidate.seconds = self._run(
+                candidate, calls, self.batch, over=limit, clear=self.clear_of(candidate)
+            )
             if self.clear_of(candidate) < max(peaks) <= limit:
                 # A fit within half the margin of its limit: training's calls can go higher than two did
                 # (ResNet50's 4 micro-batches: 67-85 MiB above the resident state over 4 calls; plans
@@ -1023,7 +1038,12 @@ class _Planner:
         k, guess, seconds = found
         if seconds is None:
             return True  # nothing to predict its time from: traced
-        saving, trace = best.seconds - seconds, self.trace_seconds.get((True, None, False, None), 0.0)
+        # Beyond timing noise on both sides: a time measured in one call runs up to 17% high (_run), a
+        # prediction from the line's slices is off by as much, and a wrong trace costs 16-19 s (ResNet50
+        # at 50%: 8 micro-batches at 0.66 s/step in one call, 7 segments predicted 0.50, traced in 2 plans
+        # of 3: 41-42 s of planning instead of 19; they measured 0.58-0.64 there).
+        saving = best.seconds / _SAME_SPEED - seconds * _SAME_SPEED
+        trace = self.trace_seconds.get((True, None, False, None), 0.0)
         if saving * _REPAY_STEPS > trace:
             return True
         c = self.candidate(k, segments)
@@ -1031,7 +1051,8 @@ class _Planner:
         c.note = f"not traced: predicted {seconds:.3f} s/step at best, " + (
             "no faster than a measured fit"
             if saving <= 0
-            else f"{saving:.3f} s faster than a measured fit: {_REPAY_STEPS} steps do not repay its {trace:.1f} s trace"
+            else f"{saving:.3f} s faster than a measured fit beyond timing noise: {_REPAY_STEPS} steps do not repay "
+            f"its {trace:.1f} s trace"
         )
         if self.verbose:
             _say(f"{c.describe()}: {c.note}")
