@@ -1,6 +1,7 @@
 """Docstring examples run (doctest) for the objects whose examples are self-contained."""
 
 import doctest
+import inspect
 
 import keras
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
+from effgrad import _proof
 from effgrad.train import compact
 
 EXAMPLES = [
@@ -22,6 +24,7 @@ EXAMPLES = [
     effgrad.fused_sparse_cross_entropy,
     effgrad.compact_state,
     compact,  # the module's example
+    _proof,
 ]
 
 
@@ -32,6 +35,7 @@ def _name(obj):
 @pytest.mark.parametrize("obj", EXAMPLES, ids=_name)
 def test_docstring_example_runs(obj):
     globs = {
+        **(vars(obj) if inspect.ismodule(obj) else {}),
         "effgrad": effgrad,
         "keras": keras,
         "np": np,

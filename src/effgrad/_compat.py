@@ -38,7 +38,9 @@ __all__ = [
     "inbound_nodes",
     "intercepted_call",
     "learning_rate",
+    "loss_function_arguments",
     "loss_tracker",
+    "node_kwargs",
     "mmap_of",
     "model_state",
     "own_variables",
@@ -393,6 +395,16 @@ def inbound_nodes(layer) -> list:
 def call_arguments(node, values: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of a recorded layer call with its symbolic inputs replaced by ``values``."""
     return node.arguments.fill_in(values)
+
+
+def node_kwargs(node) -> dict:
+    """The keyword arguments (symbolic or constant) of a recorded layer call."""
+    return dict(node.arguments.kwargs)
+
+
+def loss_function_arguments(loss) -> dict:
+    """The keyword arguments a ``keras.losses.LossFunctionWrapper`` passes its function (``from_logits``, ...)."""
+    return dict(getattr(loss, "_fn_kwargs", {}))
 
 
 def loss_tracker(model):

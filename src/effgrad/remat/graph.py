@@ -230,8 +230,8 @@ def layer_graph(model: keras.Model) -> Graph:
 
 def _is_projection(node) -> bool:
     layer = node.operation
-    if type(layer).__name__ == "ReversibleEmbedding":  # keras_hub's, tied or not
-        return bool(node.arguments.kwargs.get("reverse"))
+    if isinstance(layer, keras.layers.ReversibleEmbedding):  # keras_hub's subclasses it; tied or not
+        return bool(_compat.node_kwargs(node).get("reverse"))
     return isinstance(layer, keras.layers.Dense)
 
 

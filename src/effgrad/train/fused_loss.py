@@ -52,7 +52,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
+from effgrad import _compat, _proof
 
 __all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide", "readers_of_logits", "kernel_gradients_later"]
 
@@ -150,6 +150,7 @@ def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_cl
         valid = tf.not_equal(flat_labels, ignore_class)
         flat_labels = tf.where(valid, flat_labels, 0)
     flat_hidden = tf.reshape(hidden, [-1, depth])
+    flat_labels, flat_hidden = _checked(flat_labels, flat_hidden, given, int(vocabulary))
     # Without ranks a chunk is [rows, 4,096 classes] (see _fused's forward_in_blocks).
     size = _chunk_rows(vocabulary if ranks else min(vocabulary, _VOCAB_CHUNK), chunk_rows)
     losses, rank = _fused(
@@ -161,6 +162,29 @@ def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_cl
     if rank is not None:
         rank = tf.reshape(rank, tf.concat([rows_shape, [2]], 0))
     return losses, rank
+
+
+def _checked(labels, hidden, given, vocabulary: int):
+    """``(labels, hidden)``, refusing a label outside ``[0, vocabulary)`` as Keras's cross-entropy does.
+
+    Outside XLA, TensorFlow's kernel raises ``InvalidArgumentError`` naming the
+    range: so does this (before any gradient exists). Under XLA the plain loss
+    is NaN there, and so are its gradients: the rows of such labels become NaN
+    here, so the loss and every gradient are, and the step is skipped.
+    """
+    in_range = (labels >= 0) & (labels < vocabulary)
+    if not _compat.in_xla_context():
+        offending = tf.boolean_mask(given, tf.logical_not(in_range))
+        check = tf.debugging.Assert(
+            tf.reduce_all(in_range),
+            [f"Received a label value outside the valid range of [0, {vocabulary}) (the fused sparse "
+             "cross-entropy; Keras's raises the same): labels from", tf.reduce_min(offending), "to",
+             tf.reduce_max(offending)],
+        )  # fmt: skip
+        with tf.control_dependencies([check]):
+            return tf.identity(labels), hidden
+    poison = tf.where(in_range, 0.0, float("nan"))
+    return labels, hidden + tf.cast(poison, hidden.dtype)[:, None]
 
 
 _deferred = threading.local()
@@ -613,22 +637,55 @@ def find_head(model) -> Head | str:
         return f"the model has {len(outputs)} outputs"
     layer, node = _compat.producer(outputs[0])
     if isinstance(layer, keras.layers.Dense):
+        if why := _proof.stands_in_for(layer, keras.layers.Dense, _LAYER_CODE):
+            return f"its last layer {layer.name!r} is not Keras's Dense as such: {why}"
         if layer.activation not in (None, keras.activations.linear) or getattr(layer, "lora_enabled", False):
             return f"its last layer {layer.name!r} applies an activation (the loss needs the logits)"
         if len(layer.kernel.shape) != 2:
             return f"its last layer {layer.name!r} has a kernel that is not 2-D"
         transposed, soft_cap = False, None
-    elif type(layer).__name__ == "ReversibleEmbedding" and node.arguments.kwargs.get("reverse"):
-        if getattr(layer, "quantization_mode", None) or getattr(layer, "reverse_dtype", None):
-            return f"its last layer {layer.name!r} is quantized or projects in another dtype"
+    elif isinstance(layer, keras.layers.ReversibleEmbedding) and _compat.node_kwargs(node).get("reverse"):
+        # keras_hub's ReversibleEmbedding subclasses Keras's, inheriting its code.
+        if why := _proof.stands_in_for(layer, keras.layers.ReversibleEmbedding, _LAYER_CODE):
+            return f"its last layer {layer.name!r} is not Keras's ReversibleEmbedding as such: {why}"
+        if getattr(layer, "reverse_dtype", None):
+            return f"its last layer {layer.name!r} projects in another dtype"
         transposed, soft_cap = bool(layer.tie_weights), layer.logit_soft_cap
     else:
         return f"its last layer {layer.name!r} is a {type(layer).__name__}, not a Dense or a reversed embedding"
+    if getattr(layer, "quantization_mode", None) or layer.activity_regularizer is not None:
+        return f"its last layer {layer.name!r} is quantized or adds an activity regularization loss"
     inputs = node.input_tensors
     if len(inputs) != 1:
         return f"its last layer {layer.name!r} takes {len(inputs)} inputs"
     trunk = keras.Model(inputs_struct, inputs[0], name=f"{model.name}_trunk")
     return Head(trunk=trunk, layer=layer, transposed=transposed, soft_cap=soft_cap)
+
+
+# What the fused computation reimplements of the layer and the loss: a subclass must inherit these.
+_LAYER_CODE = ("call", "__call__", "compute_output_spec", "quantized_call")
+_LOSS_CODE = ("call", "__call__")
+
+
+def not_the_loss(loss) -> str | None:
+    """``None`` when ``loss`` is Keras's ``SparseCategoricalCrossentropy(from_logits=True)`` over the last
+    axis, running its own code (what the chunks compute); else why not, a sentence."""
+    if loss is None:
+        return "the loss has several terms or loss weights"
+    described = repr(loss) if isinstance(loss, str) else type(loss).__name__
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)  # a name: Keras's default arguments (from_logits=False)
+    sparse = keras.losses.SparseCategoricalCrossentropy
+    if not isinstance(loss, sparse):
+        return f"the loss {described} is not SparseCategoricalCrossentropy(from_logits=True)"
+    if why := _proof.stands_in_for(loss, sparse, _LOSS_CODE):
+        return f"the loss is not Keras's own SparseCategoricalCrossentropy: {why}"
+    if loss.fn is not keras.losses.sparse_categorical_crossentropy:
+        return f"the loss computes {getattr(loss.fn, '__name__', loss.fn)!r}, not the sparse cross-entropy"
+    arguments = _compat.loss_function_arguments(loss)
+    if not arguments.get("from_logits") or arguments.get("axis", -1) != -1:
+        return f"the loss is {described}({arguments}), not from_logits=True over the last axis"
+    return None
 
 
 def decide(
@@ -644,14 +701,12 @@ def decide(
     """
     option, why_not, head = options.fused_loss, None, None
     loss = objective.single
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
     if option is False:
         why_not = "fused_loss=False"
     elif private:
         why_not = "per_example_clip needs the gradient of the logits to take each example's norm"
-    elif not (isinstance(loss, keras.losses.SparseCategoricalCrossentropy) and loss.from_logits):
-        why_not = f"the loss is {type(loss).__name__}, not SparseCategoricalCrossentropy(from_logits=True)"
+    elif why := not_the_loss(loss):
+        why_not = why
     else:
         head = find_head(model)
         if isinstance(head, str):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
+from effgrad import _compat, _proof
 
 __all__ = ["REDUCTIONS", "Objective", "reduction_of", "unreduced", "weighted_terms", "normalize"]
 
@@ -45,6 +45,24 @@ def check_reduction(reduction: str) -> str:
             f"got {reduction!r}. 'none' cannot train: a step needs one scalar loss."
         )
     return reduction
+
+
+def reduction_for(loss, given: str | None = None) -> str:
+    """The reduction ``build_train_step`` computes ``loss`` with.
+
+    ``given`` (its ``reduction=``) wins; else a Keras loss object's own when it
+    was set (``SparseCategoricalCrossentropy(reduction="sum")``); else the
+    step's documented default ``"mean_with_sample_weight"``, ``L = sum(w l) /
+    sum(w)``. Keras's own default (``"sum_over_batch_size"``) cannot be told
+    from one set by hand, and keeps the step's default: it differs only with
+    sample weights or masks (``sum(w l) / N``); pass it as ``reduction=``.
+    """
+    if given is not None:
+        return check_reduction(given)
+    own = loss.reduction if isinstance(loss, keras.losses.Loss) else None
+    if own in (None, "none", "sum_over_batch_size"):
+        return "mean_with_sample_weight"
+    return check_reduction(own)
 
 
 def reduction_of(loss) -> str:
@@ -73,6 +91,11 @@ def unreduced(loss) -> Callable:
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     if isinstance(loss, keras.losses.Loss):
+        if _proof.stands_in_for(loss, keras.losses.Loss, ("__call__",)):
+            raise ValueError(
+                f"{type(loss).__name__} overrides Loss.__call__, which effgrad cannot use: it needs the unreduced "
+                "values of call() to normalize once over the whole batch. Move that code into call()."
+            )
         return loss.call  # `__call__` would reduce
     if callable(loss):
         return loss
@@ -300,7 +323,7 @@ class Objective:
                 red = reduction or reduction_of(loss)
 
                 def record(y_true, y_pred_o, sample_weight_o=None):
-                    term = _evaluate(loss.call, red, y_true, y_pred_o, sample_weight_o, weight)
+                    term = _evaluate(unreduced(loss), red, y_true, y_pred_o, sample_weight_o, weight)
                     terms.append(term)
                     return normalize(*weighted_terms(term.values, term.sample_weight, term.mask, red), red)
 
@@ -310,7 +333,8 @@ class Objective:
                 compiled(y, y_pred, sample_weight)
             return terms
 
-        single = model.loss if isinstance(model.loss, keras.losses.Loss) and not _compat.loss_weights(model) else None
+        one = not isinstance(model.loss, (list, tuple, dict)) and not _compat.loss_weights(model)
+        single = model.loss if one else None
         return cls(evaluate, reduction or reduction_of(model.loss), single=single)
 
     def sums(self, y, y_pred, sample_weight, *, exact: bool):

@@ -39,7 +39,8 @@ class StepOptions:
     clip_norm: float | None = None
     jit_compile: bool = False
     strategy: tf.distribute.Strategy | None = None
-    reduction: str = "mean_with_sample_weight"
+    # None: the loss object's own reduction, else "mean_with_sample_weight" (objective.reduction_for).
+    reduction: str | None = None
     noise_scale: bool = False
     on_micro_batch: Callable | None = None
     # False: a batch whose weights sum to 0 is still applied (regularizers, optimizer
@@ -63,12 +64,8 @@ class StepOptions:
         object.__setattr__(self, "micro_batches", micro_batches)
         if self.clip_norm is not None:
             object.__setattr__(self, "clip_norm", _positive_number(self.clip_norm, "clip_norm"))
-        object.__setattr__(self, "reduction", objective.check_reduction(self.reduction))
-        if self.noise_scale and self.reduction == "sum":
-            raise ValueError(
-                'noise_scale=True estimates the noise of a MEAN loss gradient; use reduction="sum_over_batch_size" '
-                'or "mean_with_sample_weight".'
-            )
+        if self.reduction is not None:
+            object.__setattr__(self, "reduction", objective.check_reduction(self.reduction))
         if self.strategy is not None and not isinstance(self.strategy, tf.distribute.Strategy):
             raise TypeError(f"strategy must be a tf.distribute.Strategy, got {type(self.strategy).__name__}.")
         self._check_privacy()

@@ -114,7 +114,7 @@ import tensorflow as tf
 
 from effgrad import memory
 from effgrad.train import accumulate, fused_loss, fused_update
-from effgrad.train.objective import Objective
+from effgrad.train.objective import Objective, reduction_for
 from effgrad.train.options import StepOptions
 from effgrad.train.step import TrainStep, batch_shape
 
@@ -1360,7 +1360,8 @@ def _fused_head(model, loss, options, x, y) -> fused_loss.Head | None:
     Decided as the step decides at its first trace (:func:`effgrad.train.fused_loss.decide`), without one.
     """
     settings = StepOptions(**options)
-    objective = loss if isinstance(loss, Objective) else Objective.of_loss(loss, settings.reduction)
+    reduction = reduction_for(loss, settings.reduction)
+    objective = loss if isinstance(loss, Objective) else Objective.of_loss(loss, reduction)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the step says it again, at its trace, where users see it
         head, _ = fused_loss.decide(settings, objective, model, batch_shape(x), private=settings.private, y=y)

@@ -147,12 +147,17 @@ class TrainStep:
         self.model = model
         self.optimizer, self._keras_loss_scale = _unwrap_optimizer(optimizer)
         self.strategy = self.options.strategy or tf.distribute.get_strategy()
-        self.reduction = self.options.reduction
         if isinstance(loss, objective_lib.Objective):
             self._objective = loss
-            self.reduction = loss.reduction
         else:
-            self._objective = objective_lib.Objective.of_loss(loss, self.reduction)
+            reduction = objective_lib.reduction_for(loss, self.options.reduction)
+            self._objective = objective_lib.Objective.of_loss(loss, reduction)
+        self.reduction = self._objective.reduction
+        if self.options.noise_scale and self.reduction == "sum":
+            raise ValueError(
+                'noise_scale=True estimates the noise of a MEAN loss gradient; use reduction="sum_over_batch_size" '
+                'or "mean_with_sample_weight".'
+            )
         self._micro_batches = self.options.micro_batches
         self._check_noise_scale(self._micro_batches)
         self._forward_model = model  # the model, or its trunk when the loss is fused with its last layer
