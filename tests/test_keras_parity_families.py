@@ -138,20 +138,39 @@ def _dense_gradient_adam_reference(tokens, labels, batch_size=12):
     return model
 
 
-def test_embedding_with_adam_gets_the_same_update_for_every_micro_batches(rng):
-    """Duplicate ids: every k gives Adam the summed (dense) gradient; stock Keras k=1 squares duplicates apart."""
-    tokens = rng.integers(0, 5, size=(24, 6)).astype("int32")  # 6 ids from 5: every row repeats one
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adam, keras.optimizers.AdamW])
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("fused_update", [False, True])
+def test_embedding_with_repeated_ids_gets_keras_update_at_one_micro_batch(rng, optimizer, jit_compile, fused_update):
+    """One micro-batch on one device: the embedding's IndexedSlices reach the optimizer as in stock fit
+    (Keras's Adam squares each duplicate row apart), over several steps."""
+    tokens = rng.integers(0, 5, size=(48, 6)).astype("int32")  # 6 ids from 5: every row repeats one
+    labels = rng.integers(0, 3, size=48)
+    compile_kwargs = lambda: {  # noqa: E731
+        "optimizer": optimizer(0.1),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "jit_compile": jit_compile,
+    }
+    stock, ours, h_stock, h_ours = _fit_both(
+        _embedding_classifier, compile_kwargs, tokens, labels, fused_update=fused_update
+    )
+    _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-5)
+    assert not np.allclose(ours.get_weights()[0], _dense_gradient_adam_reference(tokens, labels).get_weights()[0])
+
+
+def test_embedding_with_adam_and_micro_batches_gets_the_summed_gradient(rng):
+    """With micro-batches the gradients are summed in a dense accumulator (as Keras's own
+    gradient_accumulation_steps sums them): Adam gets duplicate rows summed, for every k >= 2."""
+    tokens = rng.integers(0, 5, size=(24, 6)).astype("int32")
     labels = rng.integers(0, 3, size=24)
     reference = _dense_gradient_adam_reference(tokens, labels)
     compile_kwargs = lambda: {  # noqa: E731
         "optimizer": keras.optimizers.Adam(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    for k in (1, 2, 4):
+    for k in (2, 4):
         stock, ours, *_ = _fit_both(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=k)
         assert_variables_close(ours.trainable_variables, reference.trainable_variables, atol=1e-5)
-    # Stock fit differs here: its Adam squares each duplicate row of the IndexedSlices separately.
-    assert not np.allclose(stock.get_weights()[0], ours.get_weights()[0], atol=1e-4)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
@@ -277,7 +296,40 @@ def test_labels_that_do_not_fit_the_output_get_one_clear_error(rng):
 
 
 # --------------------------------------------------------------------------- random harness
-FAMILIES = ["loss_weights", "multi_output", "embedding_sgd", "zero_weight_batch", "weights_b1", "stateful_rnn"]
+FAMILIES = [
+    "loss_weights", "multi_output", "embedding_sgd", "zero_weight_batch", "weights_b1", "stateful_rnn",
+    "embedding_adam", "loss_subclass", "head_subclass", "custom_layer", "bad_labels", "unbuilt",
+]  # fmt: skip
+
+
+class _ScaledLoss(keras.losses.SparseCategoricalCrossentropy):
+    """A user's loss subclass with its own call: never replaced by the plain cross-entropy."""
+
+    def call(self, y_true, y_pred):
+        return 1.5 * super().call(y_true, y_pred)
+
+
+class _ScaledDense(keras.layers.Dense):
+    """A user's Dense subclass with its own call: never fused as a plain Dense."""
+
+    def call(self, inputs):
+        return super().call(inputs) * 0.5
+
+
+class _Residual(keras.layers.Layer):
+    """A custom layer with its own weights and call."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x + keras.ops.tanh(x * self.w)
+
+
+def _tagger(head=keras.layers.Dense, classes=40, built=True, middle=None):
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Embedding(9, 8), *([middle()] if middle else []), head(classes)]
+    return keras.Sequential(([keras.Input((6,), dtype="int32")] if built else []) + layers)
 
 
 def _random_case(seed):
@@ -291,7 +343,10 @@ def _random_case(seed):
     reduction = str(r.choice(["sum_over_batch_size", "mean_with_sample_weight", "sum"]))
     w = r.uniform(0.0, 2.0, size=n).astype("float32") if r.random() < 0.5 else None
     loss = lambda: keras.losses.MeanSquaredError(reduction=reduction)  # noqa: E731
-    make, y, extra = _mlp, r.normal(size=(n, 3)).astype("float32"), {}
+    make, y, extra, options = _mlp, r.normal(size=(n, 3)).astype("float32"), {}, {}
+    sparse = lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)  # noqa: E731
+    tokens, tags = r.integers(0, 9, size=(n, 6)).astype("int32"), r.integers(0, 40, size=(n, 6))
+    fused = {"fused_loss": str(r.choice(["auto", "true"])) == "true" or "auto"}  # forced: nothing stops it
     if family == "loss_weights":
         extra = {"loss_weights": [float(r.uniform(0.1, 5.0))]}
     elif family == "multi_output":
@@ -299,10 +354,11 @@ def _random_case(seed):
         y = [r.normal(size=(n, 1)).astype("float32"), r.normal(size=(n, 2)).astype("float32")]
         loss = lambda: [single(), keras.losses.MeanAbsoluteError(reduction=reduction)]  # noqa: E731
         extra = {"loss_weights": [float(r.uniform(0.1, 2)), float(r.uniform(0.1, 2))]}
-    elif family == "embedding_sgd":
-        make, opt = _embedding_classifier, keras.optimizers.SGD  # Adam: see the dense-gradient test
-        x, y = r.integers(0, 5, size=(n, 6)).astype("int32"), r.integers(0, 3, size=n)
-        loss = lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)  # noqa: E731
+    elif family in ("embedding_sgd", "embedding_adam"):
+        make = _embedding_classifier
+        opt = keras.optimizers.SGD if family == "embedding_sgd" else keras.optimizers.Adam
+        k = k if family == "embedding_sgd" else 1  # Adam with k >= 2: the summed gradient (own test)
+        x, y, loss = r.integers(0, 5, size=(n, 6)).astype("int32"), r.integers(0, 3, size=n), sparse
     elif family == "zero_weight_batch":
         make, w = (_bn_regularized if k == 1 else _regularized), r.uniform(0.0, 2.0, size=n).astype("float32")
         w[:bs] = 0.0
@@ -312,14 +368,51 @@ def _random_case(seed):
         make, k, n = _stateful_rnn, 1, 24
         x, y = r.normal(size=(n, 4, 2)).astype("float32"), r.normal(size=(n, 3)).astype("float32")
         w = None if w is None else w[:n]
+    elif family == "loss_subclass":
+        make, x, y, options = _tagger, tokens, tags, fused
+        loss = lambda: _ScaledLoss(from_logits=True, reduction=reduction)  # noqa: E731
+    elif family == "head_subclass":
+        make, x, y, loss, options = (lambda: _tagger(head=_ScaledDense)), tokens, tags, sparse, fused  # noqa: E731
+    elif family == "custom_layer":
+        make, x, y, loss, options = (lambda: _tagger(middle=_Residual)), tokens, tags, sparse, fused  # noqa: E731
+    elif family == "bad_labels":
+        tags[int(r.integers(bs)), int(r.integers(6))] = int(r.choice([-1, 40, 47]))  # in the first batch
+        make, x, y, loss, options = _tagger, tokens, tags, sparse, fused
+    elif family == "unbuilt":
+        make = lambda: _tagger(built=False)  # noqa: E731  (fit builds it from the first batch, as in Keras)
+        x, y, loss = tokens, tags, sparse
+    if family in ("loss_subclass", "head_subclass", "custom_layer", "bad_labels", "unbuilt"):
+        w = None if w is None else w[:, None]  # per example, against per-token losses
+        k = 1 if opt is keras.optimizers.Adam else k  # repeated ids, Adam, k >= 2: the summed gradient (own test)
+    options = {**options, "micro_batches": k}
     compile_kwargs = lambda: {"optimizer": opt(lr), "loss": loss(), **extra}  # noqa: E731
-    return family, make, compile_kwargs, x, y, w, bs, k
+    return family, make, compile_kwargs, x, y, w, bs, options
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_configurations_of_the_families_equal_stock_fit(seed):
-    family, make, compile_kwargs, x, y, w, bs, k = _random_case(seed)
-    _assert_same_training(*_fit_both(make, compile_kwargs, x, y, w, batch_size=bs, micro_batches=k), atol=2e-5)
+@pytest.mark.parametrize("seed", range(24))
+def test_random_configurations_of_the_families_equal_stock_fit_or_are_refused_with_a_reason(seed):
+    """Every draw trains as stock fit trains, or fails as stock fails, or is refused with a reason
+    (fused_loss=True where the loss or head is not proven to be what the fused loss computes)."""
+    family, make, compile_kwargs, x, y, w, bs, options = _random_case(seed)
+    try:
+        result = _fit_both(make, compile_kwargs, x, y, w, batch_size=bs, **options)
+    except tf.errors.InvalidArgumentError as err:  # stock fit raised it first, on the same batch
+        assert family == "bad_labels", err
+        ours = make()
+        ours.compile(**compile_kwargs())
+        effgrad.attach(ours, **options)
+        before = ours.get_weights()
+        with pytest.raises(tf.errors.InvalidArgumentError, match="valid range"):
+            ours.fit(x, y, batch_size=bs, shuffle=False, verbose=0, sample_weight=w)
+        for a, b in zip(ours.get_weights(), before):
+            np.testing.assert_array_equal(a, b)
+        return
+    except ValueError as err:  # refused, saying why
+        assert options.get("fused_loss") is True and family in ("loss_subclass", "head_subclass"), err
+        assert "cannot apply" in str(err) and "\n" not in str(err)
+        return
+    assert family != "bad_labels", "stock fit trained on labels outside the classes"
+    _assert_same_training(*result, atol=2e-5)
 
 
 def _token_tagger():
@@ -338,3 +431,16 @@ def test_ignore_class_masks_the_loss_as_keras_does(rng, micro_batches):
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
     }
     _assert_same_training(*_fit_both(_token_tagger, compile_kwargs, tokens, labels, micro_batches=micro_batches))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_per_example_weights_of_token_losses_are_normalized_as_keras_does(rng, micro_batches):
+    """[batch, 1] weights of [batch, T] token losses: Keras's mean_with_sample_weight divides by the sum of
+    the weights as given (over the batch), not broadcast to every token (T times more)."""
+    tokens, tags = rng.integers(0, 9, size=(24, 6)).astype("int32"), rng.integers(0, 40, size=(24, 6))
+    w = rng.uniform(0.1, 2.0, size=(24, 1)).astype("float32")
+    compile_kwargs = lambda: {  # noqa: E731
+        "optimizer": keras.optimizers.SGD(0.1),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+    }
+    _assert_same_training(*_fit_both(_tagger, compile_kwargs, tokens, tags, w, micro_batches=micro_batches))

@@ -153,7 +153,7 @@ def _attach(model, given: dict, forward, planned=None) -> keras.Model:
     _compat.hook_method(
         model, "make_train_function", "attach", lambda inner: functools.partial(make_train_function, inner), order=0
     )
-    _compat.hook_method(model, "fit", "attach", _telling_rows_at_fit(model), order=0)
+    _compat.hook_method(model, "fit", "attach", _before_fit(model), order=0)
     model.effgrad_step = step
     model.train_function = None  # rebuilt by the next fit()
     return model
@@ -217,13 +217,26 @@ class CompiledMetrics:
             keras.metrics.Mean.update_state(metric, values, sample_weight=weight)
 
 
-def _telling_rows_at_fit(model):
-    """``fused_update="auto"`` weighs gradients against the activations of a batch, whose size the
-    step fit traces does not know (its batch dimension is None): fit tells it before the first trace."""
+def _before_fit(model):
+    """What the step needs before ``fit`` traces it, from fit's arguments, on the host.
+
+    A model ``fit`` builds (a ``Sequential`` without ``keras.Input``, as stock
+    Keras allows) is built from the first batch, and the step's variables
+    (optimizer slots, loss scale) made, outside the traced function.
+    ``fused_update="auto"`` weighs gradients against the activations of a
+    batch, whose size the traced step does not know (its batch dimension is
+    None): fit tells it.
+    """
 
     def wrap(inner):
         def fit(x=None, y=None, batch_size=None, *args, **kwargs):
             step = model.effgrad_step
+            if not step.ready:
+                try:
+                    first = _first_batch(x, y, None, batch_size)[0]
+                except TypeError:  # a generator: prepare() then asks for a built model
+                    first = None
+                step.prepare(first)
             if step.fused is None and step.batch_hint is None:
                 step.batch_hint = _first_batch_shape(x, batch_size)
             return inner(x, y, batch_size, *args, **kwargs)

@@ -122,7 +122,9 @@ def tape_gradients(forward: Forward, multiplier: Callable, variables, facts: Fac
                 y_pred, pending = forward(batch, sums.pending, facts)
                 total, normalizer = forward.objective.sums(y, y_pred, sample_weight, exact=exact)
                 target = total * multiplier(normalizer)
-            grads = dense(finish(tape.gradient(target, variables)))
+            grads = finish(tape.gradient(target, variables))
+        if not exact:  # summed into dense accumulators, or across replicas
+            grads = dense(grads)
         sums = Sums(sums.total + total, sums.normalizer + normalizer, pending, _sized(sums.noise, normalizer))
         if on_gradients is not None:
             sums = on_gradients(grads, sums)

@@ -139,7 +139,10 @@ def _uses_after(tensor, views: tuple, inside: set) -> list[Use]:
 
 
 def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
-    """``dW`` (dense) from the gradients of the uses' outputs (``{id(output): dz}``; None where missing)."""
+    """``dW`` from the gradients of the uses' outputs (``{id(output): dz}``; None where missing).
+
+    One lookup's gradient stays ``IndexedSlices`` (as Keras hands it to the optimizer); else dense.
+    """
     parts = []
     for use in uses:
         dz = output_grads.get(id(use.output))
@@ -153,10 +156,13 @@ def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
             grad = tf_ops.get_gradient_function(view)(view, tf.convert_to_tensor(grad))
             grad = grad[0] if isinstance(grad, (list, tuple)) else grad
         if grad is not None:
-            parts.append(accumulate.dense([grad])[0])
+            parts.append(grad)
     if not parts:
         return None
-    return tf.add_n([tf.cast(p, parts[0].dtype) for p in parts]) if len(parts) > 1 else parts[0]
+    if len(parts) == 1:  # an embedding's one lookup stays IndexedSlices, as Keras hands it to the optimizer
+        return parts[0]
+    parts = accumulate.dense(parts)
+    return tf.add_n([tf.cast(p, parts[0].dtype) for p in parts])
 
 
 def finite_bound(uses: list[Use], output_grads: dict, size: int) -> tf.Tensor | None:

@@ -138,8 +138,28 @@ def _weights(losses, sample_weight, mask):
     return weights
 
 
-def weighted_terms(losses, sample_weight, mask, reduction: str):
-    """``(sum(w * l), normalizer)`` of one micro-batch (see the module docstring), float32."""
+def _keras_weights(losses, sample_weight, mask):
+    """The weights whose sum Keras's ``"mean_with_sample_weight"`` divides by: the sample weights times
+    the mask at the shape their product has, NOT broadcast to the losses (``[batch, 1]`` weights of
+    ``[batch, T]`` token losses sum over the batch only: ``Loss.__call__``'s ``reduce_values``)."""
+    weights = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
+    if mask is not None:
+        mask = tf.cast(mask, tf.float32)
+        if weights is None:
+            weights = mask
+        else:
+            mask, weights = _compat.squeeze_or_expand_to_same_rank(mask, weights)
+            weights = weights * mask
+    return _compat.squeeze_or_expand_to_same_rank(losses, weights)[1]
+
+
+def weighted_terms(losses, sample_weight, mask, reduction: str, keras_divisor: bool = False):
+    """``(sum(w * l), normalizer)`` of one micro-batch (see the module docstring), float32.
+
+    ``keras_divisor``: ``"mean_with_sample_weight"`` divides by what Keras's ``Loss.__call__`` divides
+    by (:func:`_keras_weights`: ``compile``'s losses, for ``attach``); else by the weights broadcast
+    to the losses (``build_train_step``'s documented ``L``).
+    """
     losses = tf.cast(losses, tf.float32)
     weights = _weights(losses, sample_weight, mask)
     total = tf.reduce_sum(losses if weights is None else weights * losses)
@@ -148,7 +168,7 @@ def weighted_terms(losses, sample_weight, mask, reduction: str):
     elif reduction == "sum_over_batch_size" and mask is not None:
         normalizer = tf.reduce_sum(_broadcast(mask, losses, "the Keras mask of y_pred"))
     elif reduction == "mean_with_sample_weight" and weights is not None:
-        normalizer = tf.reduce_sum(weights)
+        normalizer = tf.reduce_sum(_keras_weights(losses, sample_weight, mask) if keras_divisor else weights)
     else:
         # A count from the shape, not sum(ones_like(losses)): under XLA a
         # dynamically sliced tensor can be padded to its bound, and ones_like
@@ -201,9 +221,10 @@ class Term:
     mask: tf.Tensor | None
     reduction: str
     weight: float | None = None  # compile's loss_weights entry
+    keras_divisor: bool = False  # normalized as Keras's Loss.__call__ normalizes (weighted_terms)
 
 
-def _evaluate(fn, reduction, y_true, y_pred, sample_weight, weight=None) -> Term:
+def _evaluate(fn, reduction, y_true, y_pred, sample_weight, weight=None, keras_divisor=False) -> Term:
     check_shapes(fn, y_true, y_pred)
     values = tf.convert_to_tensor(fn(y_true, y_pred))
     if values.shape.rank == 0:
@@ -213,7 +234,7 @@ def _evaluate(fn, reduction, y_true, y_pred, sample_weight, weight=None) -> Term
             "whole batch. Pass a keras.losses.Loss instance or a function like "
             "`lambda y, p: keras.losses.mean_squared_error(y, p)`."
         )
-    return Term(values, sample_weight, keras_mask(y_pred, values), reduction, weight)
+    return Term(values, sample_weight, keras_mask(y_pred, values), reduction, weight, keras_divisor)
 
 
 def check_shapes(fn, y_true, y_pred) -> None:
@@ -265,9 +286,10 @@ class Objective:
     :meth:`of_compiled` (what ``model.compile`` was given, ``attach``).
     """
 
-    def __init__(self, evaluate: Callable, reduction: str, single=None):
+    def __init__(self, evaluate: Callable, reduction: str, single=None, keras_divisor: bool = False):
         self._evaluate = evaluate  # (y, y_pred, sample_weight) -> list[Term]
         self.reduction = reduction
+        self.keras_divisor = keras_divisor  # compile's losses: normalized as Keras normalizes them
         # The one loss function (a Keras loss, a name or a callable) when there is one term
         # and no loss weight: what a fused loss can replace.
         self.single = single
@@ -284,7 +306,9 @@ class Objective:
         return cls(evaluate, reduction, single=loss)
 
     @classmethod
-    def of_head(cls, head, loss, reduction: str, on_ranks: Callable | None = None) -> Objective:
+    def of_head(
+        cls, head, loss, reduction: str, on_ranks: Callable | None = None, keras_divisor: bool = False
+    ) -> Objective:
         """``loss`` (a ``SparseCategoricalCrossentropy(from_logits=True)``) fused with ``head``'s projection.
 
         The step then calls the model's trunk and passes its hidden states
@@ -299,9 +323,9 @@ class Objective:
             values, ranks = head.losses(hidden, y, ignore_class=loss.ignore_class, ranks=on_ranks is not None)
             if on_ranks is not None:
                 on_ranks(y, ranks, sample_weight, _compat.get_keras_mask(hidden))
-            return [Term(values, sample_weight, keras_mask(hidden, values), reduction)]
+            return [Term(values, sample_weight, keras_mask(hidden, values), reduction, None, keras_divisor)]
 
-        return cls(evaluate, reduction, single=loss)
+        return cls(evaluate, reduction, single=loss, keras_divisor=keras_divisor)
 
     @classmethod
     def of_compiled(cls, model, reduction: str | None = None) -> Objective:
@@ -323,9 +347,9 @@ class Objective:
                 red = reduction or reduction_of(loss)
 
                 def record(y_true, y_pred_o, sample_weight_o=None):
-                    term = _evaluate(unreduced(loss), red, y_true, y_pred_o, sample_weight_o, weight)
+                    term = _evaluate(unreduced(loss), red, y_true, y_pred_o, sample_weight_o, weight, True)
                     terms.append(term)
-                    return normalize(*weighted_terms(term.values, term.sample_weight, term.mask, red), red)
+                    return normalize(*weighted_terms(term.values, term.sample_weight, term.mask, red, True), red)
 
                 return record
 
@@ -335,7 +359,7 @@ class Objective:
 
         one = not isinstance(model.loss, (list, tuple, dict)) and not _compat.loss_weights(model)
         single = model.loss if one else None
-        return cls(evaluate, reduction or reduction_of(model.loss), single=single)
+        return cls(evaluate, reduction or reduction_of(model.loss), single=single, keras_divisor=True)
 
     def sums(self, y, y_pred, sample_weight, *, exact: bool):
         """``(total, normalizer)`` of one micro-batch; ``L = normalize(sum total, sum normalizer)``.
@@ -344,7 +368,7 @@ class Objective:
         one replica), so several terms are normalized as they stand.
         """
         terms = self._evaluate(y, to_float32(y_pred), sample_weight)
-        parts = [weighted_terms(t.values, t.sample_weight, t.mask, t.reduction) for t in terms]
+        parts = [weighted_terms(t.values, t.sample_weight, t.mask, t.reduction, t.keras_divisor) for t in terms]
         lw = [1.0 if t.weight is None else float(t.weight) for t in terms]
         if len(terms) == 1:
             return parts[0][0] * lw[0], parts[0][1]

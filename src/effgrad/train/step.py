@@ -170,7 +170,7 @@ class TrainStep:
         self.trace_count = 0
         self._calls = 0
         self._warned_collapse = False
-        self._ready = False
+        self.ready = False
         self._signatures: set[str] = set()
         self._accumulators: list[tf.Variable] | None = None
         self._accumulators_finalizer = None
@@ -183,7 +183,7 @@ class TrainStep:
         # -> 1.8 s for the first call of a 16-layer MLP step).
         self._step = tf.function(self._distributed_step, autograph=False)
         if getattr(model, "built", False):
-            self._prepare()
+            self.prepare()
 
     # ------------------------------------------------------------------ edges
     @property
@@ -195,7 +195,7 @@ class TrainStep:
         value = _checks.positive_int(value, "micro_batches", " (1 = no accumulation)")
         self._check_noise_scale(value)
         self._micro_batches = value
-        if self._ready and value > 1 and self._accumulators is None:
+        if self.ready and value > 1 and self._accumulators is None:
             self._make_accumulators()
 
     def _check_noise_scale(self, micro_batches: int) -> None:
@@ -225,8 +225,12 @@ class TrainStep:
         accumulators, self._accumulators, self._accumulators_finalizer = self._accumulators, None, None
         return accumulators
 
-    def _prepare(self, x=None) -> None:
-        """Creates every variable the step needs, outside any tf.function."""
+    def prepare(self, x=None) -> None:
+        """Creates every variable the step needs, outside any tf.function (the first call does it).
+
+        ``x``: a batch (any rows) that builds a model not built yet, as stock
+        ``fit`` builds it from its first batch.
+        """
         if not getattr(self.model, "built", False) and x is not None:
             # Variables cannot be created inside the compiled step; one
             # inference call on a single row builds them without touching
@@ -256,7 +260,7 @@ class TrainStep:
             self._seed = self.options.seed if self.options.seed is not None else secrets.randbits(62)
         self._state_variables = list(self.model.non_trainable_variables)
         self._donor = None  # taken from, or not needed: its graphs are not kept alive with this step
-        self._ready = True
+        self.ready = True
 
     @property
     def _on_micro_batch(self):
@@ -275,7 +279,11 @@ class TrainStep:
             if head is not None:
                 metrics = self.options.on_micro_batch
                 self._objective = objective_lib.Objective.of_head(
-                    head, self._objective.single, self.reduction, None if metrics is None else metrics.update_from_ranks
+                    head,
+                    self._objective.single,
+                    self.reduction,
+                    None if metrics is None else metrics.update_from_ranks,
+                    keras_divisor=self._objective.keras_divisor,
                 )
                 self._forward_model = head.trunk
             _log.info("effgrad: %s", self.fused_loss_reason)
@@ -292,8 +300,8 @@ class TrainStep:
         if not distributed:
             x, y, sample_weight = _as_tensors((x, y, sample_weight))
             _check_batch_sizes(x, y, sample_weight)
-        if not self._ready:
-            self._prepare(x)
+        if not self.ready:
+            self.prepare(x)
         # The number of micro-batches is a tensor, so every k >= 2 shares a trace; 1 (no loop) and
         # XLA (static micro-batch shapes) take it as a Python int.
         k = self._micro_batches
@@ -425,6 +433,11 @@ class TrainStep:
 
     def replica_step(self, x, y, sample_weight=None, shard: bool = False, micro_batches=None) -> dict:
         """One step in replica context (what ``model.fit`` calls via :func:`effgrad.attach`)."""
+        if not self.ready:
+            raise ValueError(
+                f"{type(self.model).__name__} is not built, so the step has no variables to train: build it (call it "
+                "on a batch, or give it keras.Input) or call the step itself on a batch first."
+            )
         micro_batches = self._micro_batches if micro_batches is None else micro_batches
         ctx = tf.distribute.get_replica_context()
         if shard:
