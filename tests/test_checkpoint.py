@@ -351,3 +351,32 @@ def test_checkpointed_layers_run_again_in_backprop(rng, mode):
     assert (len(plain_calls), len(checkpointed_calls)) == (1, 2)
     checkpointed(x)
     assert len(checkpointed_calls) == 3
+
+
+class _TFNoise(keras.layers.Layer):
+    """Noise from TensorFlow's stateful random op: a recompute would draw other numbers."""
+
+    def call(self, x, training=False):
+        out = x + tf.random.uniform(tf.shape(x)) if training else x
+        self.__dict__.setdefault("calls", []).append(out)  # each call's draw
+        return out
+
+
+def test_a_block_drawing_from_stateful_tf_random_ops_is_not_checkpointed_and_says_why():
+    keras.utils.set_random_seed(0)
+    noise, last = _TFNoise(), keras.layers.Dense(2)
+    block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), noise, last])
+    wrapped = effgrad.Checkpoint(block)
+
+    @tf.function
+    def gradient_and_expected(x):
+        with tf.GradientTape() as tape:
+            y = wrapped(x, training=True)
+            drawn = noise.calls[-1]  # what the forward pass that made y drew
+            loss = tf.reduce_sum(y**2)
+        # dL/dW of the last layer from the activations this very forward pass drew
+        return tape.gradient(loss, last.kernel), tf.matmul(drawn, 2 * y, transpose_a=True)
+
+    with pytest.warns(UserWarning, match="stateful.*RandomUniform"):
+        gradient, expected = gradient_and_expected(tf.random.normal([3, 4]))
+    np.testing.assert_allclose(gradient.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)

@@ -30,7 +30,11 @@ Example:
 
 Trap:
     Only Keras variables are seen by the state capture: a function that
-    mutates a raw ``tf.Variable`` in its forward pass would do so twice. Layers
+    mutates a raw ``tf.Variable`` in its forward pass would do so twice.
+    Random numbers must come from Keras (``Dropout``, ``keras.random`` with a
+    ``SeedGenerator``): a traced block that draws from TensorFlow's stateful
+    random ops (``tf.random.uniform``) is not checkpointed, with a warning
+    (its recompute would draw other numbers); run eagerly, it is not detected. Layers
     must be built before their first checkpointed call (effgrad raises if a
     variable is created inside one, since it would get no gradient).
 """
@@ -51,6 +55,24 @@ from effgrad.remat import graph
 from effgrad.state import StateScope
 
 __all__ = ["checkpoint", "Checkpoint", "CheckpointedModel", "checkpoint_model", "checkpoint_sequential"]
+
+
+# TensorFlow's stateful random ops: each run draws new numbers from hidden state (an op seed, a global
+# generator) that a recompute cannot replay. Keras's own random ops (Dropout, keras.random with a
+# SeedGenerator) are stateless ops fed from Keras variables, which the recompute replays.
+_STATEFUL_RANDOM = frozenset(
+    {
+        "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal", "RandomShuffle",
+        "Multinomial", "RandomGamma", "RandomGammaGrad", "RandomPoisson", "RandomPoissonV2",
+        "ParameterizedTruncatedNormal", "RandomCrop", "StatefulUniform", "StatefulUniformInt",
+        "StatefulUniformFullInt", "StatefulStandardNormal", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+        "StatefulRandomBinomial",
+    }
+)  # fmt: skip
+
+
+class _NotReplayable(Exception):
+    """A block that draws from TensorFlow's stateful random ops: its recompute would draw other numbers."""
 
 
 def _is_tensor(value) -> bool:
@@ -95,10 +117,16 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
             created.append(variable)
             return variable
 
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        known = 0 if graph is None else len(graph.get_operations())
         # Outermost: Keras creates the variables of a layer built inside a
         # StatelessScope when that scope exits.
         with tf.variable_creator_scope(creator), scope, _compat.stop_recording():  # keep no activation
             outputs = call(tensors)
+        if graph is not None:
+            drawn = sorted({op.type for op in graph.get_operations()[known:] if op.type in _STATEFUL_RANDOM})
+            if drawn:
+                raise _NotReplayable(", ".join(drawn))
         if created:
             # Such a layer computed this call from one draw of its initializer
             # and stored another, and the variables were never watched: the
@@ -177,7 +205,18 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
         return flat_out, grad
 
-    flat_out = forward(*[tf.convert_to_tensor(flat[i]) for i in positions])
+    try:
+        flat_out = forward(*[tf.convert_to_tensor(flat[i]) for i in positions])
+    except _NotReplayable as drawn:  # nothing was written: the block runs as it is, its activations kept
+        warnings.warn(
+            f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'a block'))} draws random numbers "
+            f"with TensorFlow's stateful ops ({drawn}), which a recompute cannot replay: it runs without "
+            "checkpointing (its activations are kept). Draw them with keras.random and a "
+            "keras.random.SeedGenerator to checkpoint it.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return fn(*args, **kwargs)
     for t, mask in zip(flat_out, out_masks):
         if mask is not None:
             _compat.set_keras_mask(t, mask)
