@@ -72,7 +72,8 @@ def test_files_that_are_not_models_or_inputs_are_one_line_errors(run, tmp_path, 
     text.write_text("1 2 3\n")
     for bad in (damaged, text):
         code, _, err = run("saliency", model, bad, "--out", tmp_path / "a.npy")
-        _one_clear_line(code, err, "is not a readable .npy or .npz file")
+        _one_clear_line(code, err, "is not an array file")
+        assert "pickle" not in err  # a text file is no pickled data (NumPy's own message said so)
     assert not (tmp_path / "a.npy").exists()
 
 

@@ -29,6 +29,11 @@ def load(path: str):
         ValueError: the file is neither (a clear message instead of NumPy's
             "pickled data" or zipfile's ``BadZipFile``).
     """
+    hint = "Write inputs with np.save(path, array), or np.savez(path, name=array, ...) for several inputs."
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError(f"{path} is not an array file (.npy or .npz): it has no NumPy header. {hint}")
     try:
         if not zipfile.is_zipfile(path):
             return np.load(path, mmap_mode="r")
