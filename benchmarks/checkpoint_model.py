@@ -71,7 +71,7 @@ def child(config: dict) -> dict:
         model, x = _build(config)
         segments = None
         if method != "none":
-            cuts = len(effgrad.remat.graph.layer_graph(model).cuts)
+            cuts = len(effgrad.model_graph.layer_graph(model).cuts)
             count = {"per block": cuts + 1, "sqrt segments": "sqrt"}.get(method) or int(method.split()[0])
             model = effgrad.checkpoint_model(model, segments=count)
             segments = sum(isinstance(layer, effgrad.Checkpoint) for layer in model.layers)

@@ -306,7 +306,7 @@ def functional_graph(model):
     model, which holds one) but exposes no public walk over its layer calls;
     ``effgrad.checkpoint_model`` needs one to find where to cut. ``inputs`` and
     ``outputs`` keep the model's nesting (dicts of named inputs, lists). Of
-    each ``Node`` effgrad.remat.graph reads ``operation``, ``is_input``,
+    each ``Node`` effgrad.model_graph reads ``operation``, ``is_input``,
     ``input_tensors``, ``output_tensors`` and ``arguments.fill_in`` (checked
     at import), and of a KerasTensor ``_keras_history.operation``.
     """

@@ -51,7 +51,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
-from effgrad.remat import graph
+from effgrad import model_graph as graph
 from effgrad.state import StateScope
 
 __all__ = ["checkpoint", "Checkpoint", "CheckpointedModel", "checkpoint_model", "checkpoint_sequential"]
@@ -432,7 +432,7 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
     Algorithm: walk the model's layer calls in topological order and cut
     after each call where exactly one tensor with learned computation behind
     it is still needed (the end of a residual block, a dense block, a
-    transformer layer; see :mod:`effgrad.remat.graph`). Tensors computed from the
+    transformer layer; see :mod:`effgrad.model_graph`). Tensors computed from the
     inputs alone (padding masks, position ids) do not block a cut: they are
     passed to every segment that reads them. The cuts are grouped into
     ``segments`` segments of about equal activation volume, each a functional

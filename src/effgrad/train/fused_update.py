@@ -49,7 +49,7 @@ import math
 import tensorflow as tf
 
 from effgrad import _compat
-from effgrad.remat import graph
+from effgrad import model_graph as graph
 from effgrad.train import accumulate, flows, inplace, local_grad, update
 from effgrad.train import objective as objective_lib
 

@@ -112,7 +112,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from effgrad import memory
+from effgrad.tools import memory
 from effgrad.train import accumulate, fused_loss, fused_update
 from effgrad.train.objective import Objective, reduction_for
 from effgrad.train.options import StepOptions
@@ -1387,7 +1387,7 @@ def same_speed(seconds: float, fastest: float) -> bool:
 
 def _segment_choices(model) -> list[int]:
     """Segments worth trying: 2 and sqrt(cuts + 1), if the model can be cut at all."""
-    from effgrad.remat import graph
+    from effgrad import model_graph as graph
 
     try:
         cuts = len(graph.layer_graph(model).cuts)

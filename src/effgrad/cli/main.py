@@ -161,7 +161,7 @@ def _files_list(out: str) -> str:
 def _saliency(args) -> int:
     import os
 
-    from effgrad import _arrays
+    from effgrad.cli import inputs as _arrays
     from effgrad.explain import saliency
 
     model = _load_model(args.model)
@@ -250,7 +250,7 @@ def _plan(args) -> int:
 
 
 def _demo(args) -> int:
-    from effgrad import demo
+    from effgrad.cli import demo
 
     demo.run(args.out)
     return 0
@@ -280,7 +280,3 @@ def main(argv: list[str] | None = None) -> int:
                 f"\ninterrupted: the finished rows of {args.out} are kept; add --resume to continue.", file=sys.stderr
             )
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

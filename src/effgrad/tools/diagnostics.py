@@ -27,7 +27,8 @@ import warnings
 import keras
 import tensorflow as tf
 
-from effgrad import _compat, memory
+from effgrad import _compat
+from effgrad.tools import memory
 
 __all__ = ["MemoryMonitor", "host_rss_mib", "plot_history"]
 

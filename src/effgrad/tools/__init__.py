@@ -1,0 +1,1 @@
+"""Tools around training: device memory (measuring, budgets), diagnostics, privacy accounting."""
