@@ -95,7 +95,7 @@ def child(config: dict) -> dict:
 
     one_batch()  # trace and build outside the measurement
     if method != "keras":
-        fused_update = step.fused
+        fused_update = step.fused_update
     report = effgrad.memory.measure(one_batch)
     seconds = common.median_time(one_batch, warmup=0, repeats=config["repeats"])
 

@@ -401,7 +401,7 @@ def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng):
         model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256) for _ in range(3)])
         step = effgrad.build_train_step(model, "mse", opt)
         step(x, y)
-        fused[name] = step.fused
+        fused[name] = step.fused_update
     assert fused == {"float32": True, "int8": True}
 
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad import _proof
-from effgrad.train import compact
+from effgrad.train import accumulate, compact
 
 EXAMPLES = [
     effgrad.build_train_step,
@@ -25,6 +25,7 @@ EXAMPLES = [
     effgrad.compact_state,
     compact,  # the module's example
     _proof,
+    accumulate.Accumulators,
 ]
 
 
@@ -35,7 +36,7 @@ def _name(obj):
 @pytest.mark.parametrize("obj", EXAMPLES, ids=_name)
 def test_docstring_example_runs(obj):
     globs = {
-        **(vars(obj) if inspect.ismodule(obj) else {}),
+        **vars(inspect.getmodule(obj)),
         "effgrad": effgrad,
         "keras": keras,
         "np": np,

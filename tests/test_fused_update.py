@@ -63,7 +63,7 @@ def _run(fused, make, optimizer, batches, jit_compile, seed_offset=0, **options)
         model, options.pop("loss", "mse"), opt, fused_update=fused, jit_compile=jit_compile, **options
     )
     logs = [step(*batch) for batch in batches]
-    assert step.fused is fused
+    assert step.fused_update is fused
     return model, opt, logs
 
 
@@ -138,7 +138,7 @@ def test_fused_update_equals_a_plain_tape_in_eager_too(rng):
         step(x, y)
     finally:
         tf.config.run_functions_eagerly(False)
-    assert step.fused
+    assert step.fused_update
     assert_variables_close(model.trainable_variables, reference.trainable_variables, rtol=1e-5, atol=1e-6)
 
 
@@ -186,7 +186,7 @@ def test_a_tied_embedding_read_by_the_fused_loss_keeps_its_gradient_and_backprop
     step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(0.05), fused_update=True, fused_loss=True)
     x, y = rng.integers(1, 9, size=(6, 5)).astype("int32"), rng.integers(0, 9, size=(6, 5))
     before = [v.numpy() for v in model.trainable_variables]
-    assert bool(step(x, y)["grads_finite"]) and step.fused and step.fused_loss
+    assert bool(step(x, y)["grads_finite"]) and step.fused_update and step.fused_loss
     assert int(counter.count.numpy()) == 1
     assert all(not np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
 
@@ -235,7 +235,7 @@ def test_float16_gradients_that_underflow_without_the_scale_are_kept(rng):
         step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(1.0), fused_update=True)
         x, y = np.full((4, 4), 1e-4, "float32"), np.full((4, 1), 1e-4, "float32")
         step(x, y)  # d loss / d kernel = -2e-8: 0 in float16 unless the loss is scaled
-        assert step.fused and float(step.loss_scale.value) > 1
+        assert step.fused_update and float(step.loss_scale.value) > 1
         np.testing.assert_allclose(model.layers[0].kernel.numpy(), 2e-8, rtol=0.05)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -245,14 +245,14 @@ def test_auto_fuses_where_weights_outweigh_activations():
     wide = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(256)])
     step = effgrad.build_train_step(wide, "mse", keras.optimizers.SGD(0.1))
     step(np.ones((4, 256), "float32"), np.ones((4, 256), "float32"))  # 4 rows: weights dominate
-    assert step.fused is True
+    assert step.fused_update is True
     narrow = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(8)])
     step = effgrad.build_train_step(narrow, "mse", keras.optimizers.SGD(0.1))
     step(np.ones((512, 8), "float32"), np.ones((512, 8), "float32"))  # activations dominate
-    assert step.fused is False
+    assert step.fused_update is False
     step = effgrad.build_train_step(wide, "mse", keras.optimizers.SGD(0.1), micro_batches=2)
     step(np.ones((4, 256), "float32"), np.ones((4, 256), "float32"))
-    assert step.fused is False  # the accumulators are the one gradient-sized buffer already
+    assert step.fused_update is False  # the accumulators are the one gradient-sized buffer already
 
 
 def test_attach_with_fused_update_trains_like_stock_fit(rng):
@@ -263,7 +263,7 @@ def test_attach_with_fused_update_trains_like_stock_fit(rng):
     effgrad.attach(ours, fused_update=True)
     h_stock = stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     h_ours = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    assert ours.effgrad_step.fused
+    assert ours.effgrad_step.fused_update
     assert_variables_close(ours.trainable_variables, stock.trainable_variables, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
 
@@ -281,7 +281,7 @@ def test_what_cannot_be_fused_is_refused_with_the_reason(strategy):
         step(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
     auto = effgrad.build_train_step(model, "mse", opt, strategy=strategy)  # auto: gathers, and says nothing
     auto(np.ones((4, 5), "float32"), np.ones((4, 3), "float32"))
-    assert auto.fused is False
+    assert auto.fused_update is False
 
 
 # ------------------------------------------------------------------ memory
@@ -370,7 +370,7 @@ def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
         keras.utils.set_random_seed(3)  # the same dropout draws
         step = effgrad.build_train_step(model, loss, opt, fused_update=fused)
         logs = step(x, y, w)
-        assert step.fused is fused
+        assert step.fused_update is fused
         results.append((model, float(logs["loss"])))
     (fused_model, fused_loss), (model, loss_value) = results
     assert fused_loss == pytest.approx(loss_value, rel=1e-6)
@@ -385,4 +385,4 @@ def test_auto_counts_the_sequence_length_of_token_models(rng):
         lm, keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.optimizers.SGD(0.1), fused_loss=False
     )
     step({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}, tokens)
-    assert step.batch_hint == (2, 64) and step.fused is False
+    assert step.batch_hint == (2, 64) and step.fused_update is False

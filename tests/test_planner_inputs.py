@@ -10,16 +10,19 @@ import numpy as np
 import pytest
 
 import effgrad
-from effgrad.train.planner import device_memory_bytes, parse_budget
+from effgrad.tools.memory import device_memory_bytes, format_bytes, parse_budget
 
 
 def test_budgets_as_sizes_bytes_and_fractions_strings_included():
     assert parse_budget("300MiB") == 300 * 2**20 and parse_budget("2.5GB") == 2_500_000_000
     assert parse_budget("1000000") == 1_000_000 == parse_budget(1_000_000)
     assert parse_budget("0.5") == parse_budget(0.5) == int(0.5 * device_memory_bytes())  # not 0 bytes
-    for bad in ("1.5", 1.5, "0.5b", "0", 0, -3, "lots", True):
+    for bad in ("1.5", 1.5, "0.5b", "0", 0, -3, "lots", True, "10 parsecs"):
         with pytest.raises(ValueError, match="budget"):
             parse_budget(bad)
+    with pytest.warns(UserWarning, match="more than the device has"):
+        assert parse_budget("1TiB") == 2**40 == parse_budget("1 tib")
+    assert format_bytes(1) == "1 bytes" and format_bytes(3 * 2**20) == "3.0 MiB"  # a tiny budget is not "0.0 MiB"
 
 
 def _mlp():
@@ -32,7 +35,14 @@ def test_planning_leaves_the_callers_loss_scale_alone(rng):
     x[0, 0] = np.inf  # every candidate step overflows: each would back the scale off
     scale = effgrad.DynamicLossScale(initial_scale=2.0**10)
     effgrad.plan(
-        _mlp(), "sparse_categorical_crossentropy", keras.optimizers.SGD(), x, y, budget=2**30, loss_scale=scale
+        _mlp(),
+        "sparse_categorical_crossentropy",
+        keras.optimizers.SGD(),
+        x,
+        y,
+        memory_budget=2**30,
+        loss_scale=scale,
+        verbose=False,
     )
     assert float(scale.value) == 2.0**10 and int(scale.counter) == 0
 
@@ -42,11 +52,11 @@ def test_noise_scale_with_planned_micro_batches_plans_from_two(rng):
     model = _mlp()
     step = effgrad.build_train_step(
         model, "sparse_categorical_crossentropy", keras.optimizers.SGD(), micro_batches="auto",
-        memory_budget=2**30, noise_scale=True,
+        memory_budget=2**30, noise_scale=True, verbose=False,
     )  # fmt: skip
     logs = step(x, y)
     assert step.plan.micro_batches >= 2 and "noise_scale" in logs
-    assert all(c.micro_batches >= 2 for c in step.plan.table)
+    assert all(c.config.micro_batches >= 2 for c in step.plan.table)
 
 
 def test_importing_keras_before_effgrad_keeps_allocator_statistics():

@@ -89,14 +89,14 @@ def test_a_step_collected_during_a_trace_is_emptied_later_not_inside_the_trace()
 
     from effgrad.train import accumulate
 
-    accumulators = accumulate.make_accumulators([tf.Variable(tf.zeros([256, 256]))])
+    buffers = accumulate.Accumulators([tf.Variable(tf.zeros([256, 256]))]).buffers  # its owner is gone
 
     @tf.function
     def another_trace():
-        accumulate._release(accumulators)  # what the finalizer runs when the collection happens here
+        accumulate._release(buffers)  # what the finalizer runs when the collection happens here
         return tf.constant(1.0)
 
     another_trace()
-    assert int(tf.size(accumulators[0])) == 256 * 256  # untouched by the trace
-    accumulate.free_released()  # e.g. the next make_accumulators
-    assert int(tf.size(accumulators[0])) == 0
+    assert int(tf.size(buffers[0])) == 256 * 256  # untouched by the trace
+    accumulate.free_released()  # e.g. the next Accumulators made
+    assert int(tf.size(buffers[0])) == 0

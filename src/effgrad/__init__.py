@@ -47,7 +47,7 @@ if not _quiet.answering_help():
         from effgrad.train.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
         from effgrad.train.options import StepOptions
         from effgrad.train.per_example import per_example_norms
-        from effgrad.train.planner import MemoryPlan, plan
+        from effgrad.train.planning.plan import MemoryPlan, plan
         from effgrad.train.step import TrainStep
 
 __version__ = "0.1.0"

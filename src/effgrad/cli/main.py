@@ -245,7 +245,7 @@ def _plan(args) -> int:
     name = loss if isinstance(loss, str) else type(loss).__name__
     # Sparse losses take class ids; every other loss a target shaped like the output.
     y = np.zeros(shape[0], "int32") if "sparse" in name.lower() else np.zeros((shape[0], *outputs.shape[1:]), "float32")
-    print(effgrad.plan(model, loss, optimizer, x, y, budget=args.budget))
+    print(effgrad.plan(model, loss, optimizer, x, y, memory_budget=args.budget))
     return 0
 
 

@@ -497,9 +497,8 @@ def segment_bounds(model: keras.Model, segments: int | str = "sqrt") -> tuple[gr
     at, the last bound being where the body ends (the final projection, if any, is not in a segment).
 
     Segment ``k`` calls ``graph.nodes[bounds[k]:bounds[k + 1]]``; its inputs and outputs are
-    ``graph.segment_io(bounds[k], bounds[k + 1])``. Nothing is built: the planner weighs segment
-    counts from it (ResNet50: 0.35 s of a plan went into building checkpointed models it never traced).
-    Raises and warns as :func:`checkpoint_model` does.
+    ``graph.segment_io(bounds[k], bounds[k + 1])``. Nothing is built. Raises and warns as
+    :func:`checkpoint_model` does.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"checkpoint_model needs a keras.Model, got {type(model).__name__}.")

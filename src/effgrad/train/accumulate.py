@@ -39,18 +39,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = [
-    "batch_size",
-    "rows",
-    "dense",
-    "accumulate_gradients",
-    "make_accumulators",
-    "read",
-    "free_accumulators",
-    "refill_accumulators",
-    "free_when_collected",
-    "free_released",
-]
+__all__ = ["batch_size", "rows", "dense", "accumulate_gradients", "Accumulators", "read", "free_released"]
 
 
 def batch_size(batch) -> tf.Tensor:
@@ -85,20 +74,14 @@ def dense(grads: Sequence) -> list:
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
-def make_accumulators(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
-    """One float32 zero buffer per variable, local to each replica.
+def _make_buffers(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
+    """One float32 zero buffer per variable, local to each replica (``ON_READ``: each replica sums its
+    own micro-batches; the step reduces once across replicas). Eager, under the strategy's scope.
 
-    ``ON_READ`` makes them per-replica under ``tf.distribute`` (each replica
-    sums its own micro-batches; the step reduces once across replicas).
-    Create them outside ``tf.function`` and under the strategy's scope.
-
-    Their static shape is left open so ``free_accumulators`` can shrink them
-    to nothing: TensorFlow keeps a traced graph that holds a custom gradient
-    (checkpointing, the fused loss) alive for the life of the process, and
-    with it every variable it captured, long after its step is gone
-    (measured: a weight-sized set per discarded step, ~55 MiB per planning
-    candidate on the GPT-2 LM). ``accumulate_gradients`` restores the shape
-    where it reads them.
+    Their static shape is left open so :meth:`Accumulators.free` can shrink them to nothing: TensorFlow
+    keeps a traced graph that holds a custom gradient (checkpointing, the fused loss) alive for the
+    life of the process, and with it every variable it captured, long after its step is gone.
+    ``accumulate_gradients`` restores the shape where it reads them.
     """
     free_released()  # a safe point: eager, outside any trace
     return [
@@ -119,61 +102,79 @@ def read(accumulator: tf.Variable, shape) -> tf.Tensor:
     return tf.ensure_shape(accumulator.read_value(), shape)
 
 
-def free_accumulators(accumulators: Sequence[tf.Variable]) -> None:
-    """Shrinks each accumulator (each replica's copy) to an empty buffer. Call it eagerly.
-
-    Whatever still holds their handles (a graph TensorFlow never frees) then
-    holds a few bytes, not a gradient. A step that runs again after this
-    refills them with its first micro-batch, so it stays correct.
-    """
+def _free(buffers: Sequence[tf.Variable]) -> None:
     empty = tf.zeros([0], tf.float32)
-    for accumulator in accumulators:
-        for part in getattr(accumulator, "values", (accumulator,)):
+    for buffer in buffers:
+        for part in getattr(buffer, "values", (buffer,)):
             part.assign(empty, read_value=False)
 
 
-def refill_accumulators(accumulators: Sequence[tf.Variable], variables: Sequence[tf.Variable]) -> None:
-    """Gives emptied accumulators (``free_accumulators``) their variables' shapes again, as zeros. Eager.
+class Accumulators:
+    """The float32 buffers micro-batch gradients are summed into: one per trainable variable, per replica.
 
-    A step refills them anyway with its first micro-batch; this does it before the step, so that a
-    peak measured around the step does not count them as the step's own (the planner counts them as
-    resident: measured, an emptied GPT-2 LM family re-measured 55 MiB above itself).
+    Made once for a model's variables, given to a step (``TrainStep(accumulators=...)``) and reused by
+    another step of the same variables (the planner hands the ones its measurements ran with to
+    training, as the allocator placed them). Emptied when this object is collected: whatever still holds
+    the buffers' handles (a graph TensorFlow never frees) then holds a few bytes, not a gradient.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> accumulators = Accumulators(model.trainable_variables)
+        >>> accumulators.nbytes, accumulators.matches(model.trainable_variables)
+        (40, True)
     """
-    for accumulator, variable in zip(accumulators, variables):
-        for part in getattr(accumulator, "values", (accumulator,)):
-            if int(tf.size(part)) == 0 and variable.shape.num_elements():  # its static shape is open
-                with tf.device(part.device):
-                    part.assign(tf.zeros(variable.shape, tf.float32), read_value=False)
+
+    def __init__(self, variables: Sequence[tf.Variable], strategy: tf.distribute.Strategy | None = None):
+        self._variables = [id(v) for v in variables]
+        self._shapes = [v.shape for v in variables]
+        with (strategy or tf.distribute.get_strategy()).scope():
+            self.buffers = _make_buffers(variables)
+        finalizer = weakref.finalize(self, _release, list(self.buffers))
+        finalizer.atexit = False
+
+    def matches(self, variables: Sequence[tf.Variable]) -> bool:
+        """Whether these buffers were made for exactly ``variables`` (in this order)."""
+        return [id(v) for v in variables] == self._variables
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers' bytes when full (float32, one copy per replica counted once)."""
+        return sum(4 * int(shape.num_elements() or 0) for shape in self._shapes)
+
+    def free(self) -> None:
+        """Shrinks every buffer (each replica's copy) to nothing. Eager. A step that runs again refills
+        them with its first micro-batch, so it stays correct."""
+        _free(self.buffers)
+
+    def refill(self) -> None:
+        """Gives freed buffers their shapes again, as zeros (eager): a peak measured around the next step
+        then does not count them as the step's own."""
+        for buffer, shape in zip(self.buffers, self._shapes):
+            for part in getattr(buffer, "values", (buffer,)):
+                if int(tf.size(part)) == 0 and shape.num_elements():
+                    with tf.device(part.device):
+                        part.assign(tf.zeros(shape, tf.float32), read_value=False)
 
 
-# Accumulators of collected steps that could not be emptied at once (see free_when_collected).
+# Buffers of collected Accumulators that could not be emptied at once (see _release).
 _released: list[list[tf.Variable]] = []
 
 
-def free_when_collected(owner, accumulators: Sequence[tf.Variable]) -> weakref.finalize:
-    """Empties ``accumulators`` once ``owner`` (their step) is garbage-collected.
-
-    Trap: a collection can run in the middle of tracing, with the graph's
-    lock held; creating ops then deadlocks (seen while planning). So they are
-    emptied at once only when the collection happens eagerly, else at the
-    next safe point (the next ``make_accumulators``, or ``free_released``).
-    """
-    finalizer = weakref.finalize(owner, _release, list(accumulators))
-    finalizer.atexit = False
-    return finalizer  # detach() it when the accumulators pass to another owner
-
-
-def _release(accumulators: list) -> None:
+def _release(buffers: list) -> None:
+    """Empties ``buffers`` when their owner is collected. A collection can run in the middle of tracing,
+    with the graph's lock held; creating ops then deadlocks (seen while planning). So they are emptied
+    at once only when the collection happens eagerly, else at the next safe point (the next
+    :class:`Accumulators`, or :func:`free_released`)."""
     if tf.executing_eagerly() and not tf.inside_function():
-        free_accumulators(accumulators)
+        _free(buffers)
     else:
-        _released.append(accumulators)
+        _released.append(buffers)
 
 
 def free_released() -> None:
-    """Empties the accumulators of collected steps that had to wait (call it eagerly)."""
+    """Empties the buffers of collected :class:`Accumulators` that had to wait (call it eagerly)."""
     while _released:
-        free_accumulators(_released.pop())
+        _free(_released.pop())
 
 
 def accumulate_gradients(
@@ -199,8 +200,8 @@ def accumulate_gradients(
             trace serves every ``k`` (not under ``static_shapes``, where the
             micro-batch size must be known when compiling: an int).
         carry: The initial carry.
-        accumulators: ``make_accumulators(variables)``; required unless ``k`` is
-            the int 1. What they hold on entry is overwritten by the first
+        accumulators: one float32 buffer per variable (:attr:`Accumulators.buffers`);
+            required unless ``k`` is the int 1. What they hold on entry is overwritten by the first
             micro-batch.
         static_shapes: Keep every slice's shape static (XLA).
 

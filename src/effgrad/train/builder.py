@@ -1,14 +1,14 @@
 """``effgrad.build_train_step``: the one place that turns options into a step.
 
 ``micro_batches="auto"`` (with ``memory_budget=``) asks for a plan at the
-first batch (:class:`effgrad.train.planner.PlannedTrainStep`); anything else
+first batch (:class:`effgrad.train.planning.planned_step.PlannedTrainStep`); anything else
 is a :class:`effgrad.train.step.TrainStep`. :func:`effgrad.attach` routes
 its options through :func:`planned` the same way.
 """
 
 from __future__ import annotations
 
-from effgrad.train.planner import PlannedTrainStep
+from effgrad.train.planning.planned_step import PlannedTrainStep
 from effgrad.train.step import TrainStep
 
 __all__ = ["build_train_step", "planned"]
@@ -19,7 +19,7 @@ def planned(options: dict) -> bool:
     return options.get("micro_batches") == "auto" or "memory_budget" in options
 
 
-def build_train_step(model, loss, optimizer, **options) -> TrainStep | PlannedTrainStep:
+def build_train_step(model, loss, optimizer, **options) -> TrainStep:
     """Builds a compiled step that applies one exact update per batch.
 
     The update equals the plain full-batch update of
@@ -51,7 +51,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep | PlannedTr
               ``"auto"`` with ``memory_budget=`` (bytes, ``"6GiB"`` or a
               fraction of the device): plan at the first call
               (:func:`effgrad.plan`) and train with the fastest configuration
-              whose measured peak fits (a :class:`effgrad.train.planner.PlannedTrainStep`).
+              whose measured peak fits (a :class:`effgrad.train.planning.planned_step.PlannedTrainStep`).
               A built step's ``micro_batches`` may also be assigned between
               calls: every ``k >= 2`` runs on one trace.
             * ``loss_scale``: ``"auto"`` (dynamic iff the model computes in
@@ -85,7 +85,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep | PlannedTr
               :mod:`effgrad.train.fused_update`). ``"auto"`` (default) fuses
               when the gradients outweigh the activations (fine-tuning: the
               peak drops below Keras's); ``True`` always, ``False`` never.
-              ``step.fused`` says what was chosen.
+              ``step.fused_update`` says what was chosen.
             * ``fused_loss``: when the model ends in a projection (a linear
               ``Dense``, keras_hub's reversed ``ReversibleEmbedding``) and the
               loss is ``SparseCategoricalCrossentropy(from_logits=True)``,

@@ -26,11 +26,13 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
+from effgrad.tools import memory
 from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
 from effgrad.train.builder import planned
 from effgrad.train.options import PLANNER_OPTIONS, StepOptions
+from effgrad.train.planning.plan import make_plan
 from effgrad.train.step import TrainStep, batch_shape
 
 __all__ = ["attach"]
@@ -88,10 +90,10 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
     return _attach(model, dict(step_options), forward=model)
 
 
-def _attach(model, given: dict, forward, planned=None) -> keras.Model:
+def _attach(model, given: dict, forward, accumulators=None) -> keras.Model:
     """``attach`` with checked options; ``forward`` computes the predictions (``model``, or a
-    ``checkpoint_model`` of it sharing its variables); ``planned``: the plan's step, whose
-    accumulators the step takes as they were allocated (the plan's peaks were measured with them)."""
+    ``checkpoint_model`` of it sharing its variables); ``accumulators``: the plan's, which the step
+    takes as they were allocated (the plan's peaks were measured with them)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
     objective = objective_lib.Objective.of_compiled(model, given.get("reduction"))
     options = {
@@ -110,7 +112,7 @@ def _attach(model, given: dict, forward, planned=None) -> keras.Model:
     # fused with the last layer (they are computed from the chunks).
     on_micro_batch = CompiledMetrics(model) if _compat.has_compiled_metrics(model) else None
     step = TrainStep(
-        forward, objective, model.optimizer, on_micro_batch=on_micro_batch, _accumulators_of=planned, **options
+        forward, objective, model.optimizer, on_micro_batch=on_micro_batch, accumulators=accumulators, **options
     )
     compiled_with = _compat.compile_state(model)
 
@@ -237,7 +239,7 @@ def _before_fit(model):
                 except TypeError:  # a generator: prepare() then asks for a built model
                     first = None
                 step.prepare(first)
-            if step.fused is None and step.batch_hint is None:
+            if step.fused_update is None and step.batch_hint is None:
                 step.batch_hint = _first_batch_shape(x, batch_size)
             return inner(x, y, batch_size, *args, **kwargs)
 
@@ -279,28 +281,29 @@ def _first_batch(x, y, sample_weight, batch_size):
 
 def _attach_planned(model, step_options: dict) -> keras.Model:
     """``attach(micro_batches="auto", memory_budget=...)``: plan at the next ``fit`` from its first batch."""
-    from effgrad.train.planner import PlannedTrainStep
-
+    if step_options.get("micro_batches", "auto") != "auto" or step_options.get("memory_budget") is None:
+        raise ValueError("attach plans with micro_batches='auto' and memory_budget=... together (bytes, '6GiB', 0.5).")
+    budget = memory.parse_budget(step_options["memory_budget"])
     options = {k: v for k, v in step_options.items() if k not in PLANNER_OPTIONS}
-    strategy = options.get("strategy", model.distribute_strategy)
-    reduction = options.get("reduction", objective_lib.reduction_of(model.loss))
-    planning = {**step_options, "strategy": strategy, "reduction": reduction}
+    planning = StepOptions(**{"strategy": model.distribute_strategy, **options})  # every option checked now
     if _compat.has_compiled_metrics(model):
         # Whether they read the logits is known once fit builds them: plan the unfused step, the larger
         # of the two the attached step may run (accuracy and top-k alone let it fuse).
-        planning["fused_loss"] = False
-    planned = PlannedTrainStep(model, model.loss, model.optimizer, **planning)  # validates every option now
+        planning = planning.replace(fused_loss=False)
+    margin, verbose = step_options.get("margin", 0.1), step_options.get("verbose", True)
 
-    def planning(inner):
+    def plan_at_fit(inner):
         def fit(x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
-            plan = planned.choose(*_first_batch(x, y, sample_weight, batch_size))
+            objective = objective_lib.Objective.of_compiled(model, options.get("reduction"))  # what fit trains
+            first = _first_batch(x, y, sample_weight, batch_size)
+            plan = make_plan(model, objective, model.optimizer, first, budget, planning, margin, verbose, keep=True)
             _compat.hook_method(model, "fit", "plan", None, order=1)  # planned once: later fits train with it
-            _attach(model, {**options, **plan.step_options}, plan.model, plan.take_step())
+            _attach(model, {**options, **plan.step_options}, plan.model, plan.accumulators)
             model.effgrad_plan = plan
             return model.fit(x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
 
         return fit
 
-    _compat.hook_method(model, "fit", "plan", planning, order=1)
+    _compat.hook_method(model, "fit", "plan", plan_at_fit, order=1)
     model.effgrad_plan = None
     return model

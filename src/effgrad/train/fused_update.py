@@ -53,7 +53,7 @@ from effgrad import model_graph as graph
 from effgrad.train import accumulate, flows, inplace, local_grad, update
 from effgrad.train import objective as objective_lib
 
-__all__ = ["decide", "gradients_dominate", "step"]
+__all__ = ["decide", "why_not", "gradients_dominate", "step"]
 
 
 def decide(train_step, hint: tuple[int, int] | None) -> bool:
@@ -69,24 +69,27 @@ def decide(train_step, hint: tuple[int, int] | None) -> bool:
         # With micro-batches the accumulators hold the one gradient-sized buffer anyway; DP-SGD
         # needs every example's norm first (options refuse fused_update=True with it).
         return False
-    why_not = None
-    if train_step.strategy.num_replicas_in_sync > 1:
-        why_not = (
+    why = why_not(train_step.strategy.num_replicas_in_sync, train_step.optimizer)
+    if why is not None:
+        if option is True:
+            raise ValueError(f"fused_update=True cannot apply updates inside backward here: {why}.")
+        return False
+    return option is True or gradients_dominate(train_step.model, hint)
+
+
+def why_not(replicas: int, optimizer) -> str | None:
+    """Why a one-micro-batch step cannot apply its updates inside backward here, or None: it can."""
+    if replicas > 1:
+        return (
             "with several replicas the gradients are all-reduced before any update, which gathers them; "
             "use micro_batches >= 2 (the accumulators are the floor) or fused_update=False"
         )
-    elif getattr(train_step.optimizer, "global_clipnorm", None):
-        why_not = (
+    if getattr(optimizer, "global_clipnorm", None):
+        return (
             "the optimizer's global_clipnorm needs every gradient before any update; use "
             "build_train_step(clip_norm=...) instead (computed in the first backward pass)"
         )
-    if why_not is not None:
-        if option is True:
-            raise ValueError(f"fused_update=True cannot apply updates inside backward here: {why_not}.")
-        return False
-    if option is True:
-        return True
-    return gradients_dominate(train_step.model, hint)
+    return None
 
 
 def gradients_dominate(model, hint: tuple[int, int] | None) -> bool:
@@ -123,13 +126,7 @@ def _step(train_step, x, y, sample_weight) -> dict:
     model, options, loss_scale = train_step.model, train_step.options, train_step.loss_scale
     variables = model.trainable_variables
     facts = flows.Facts()
-    forward = flows.Forward(
-        train_step._forward_model,
-        train_step._objective,
-        train_step._state_variables,
-        split=False,
-        on_micro_batch=train_step._on_micro_batch,
-    )
+    forward = train_step.forward(split=False)
     reduction = train_step.reduction
     func_graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     known = 0 if func_graph is None else len(func_graph.get_operations())

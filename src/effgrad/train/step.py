@@ -125,23 +125,37 @@ class TrainStep:
 
     Attributes:
         micro_batches: Micro-batches every batch is split into. Assign another
-            value between calls: any ``k >= 2`` shares one trace (one new
-            trace going from 1 to more, or under ``jit_compile``).
+            value between calls: once the step has accumulators (any ``k >= 2``
+            made them) every ``k``, 1 included, shares one trace (one new trace
+            going from 1 to more, or per ``k`` under ``jit_compile``).
+        accumulators: The :class:`effgrad.train.accumulate.Accumulators` the
+            micro-batches are summed into (None until ``k >= 2`` needs them).
         loss_scale: The :class:`effgrad.LossScale` in use.
         reduction: The loss normalization (a Keras reduction name).
         strategy: The ``tf.distribute.Strategy`` the step runs under.
         trace_count: How often the step function has been traced (a step
             traces once per input structure/dtype; batch size never retraces).
-        fused: Whether updates run inside backward (``fused_update``); None
+        fused_update: Whether updates run inside backward; None
             until the first call decides.
         fused_loss: Whether the loss is fused with the model's last layer;
             ``fused_loss_reason`` says why (not). None until the first call.
     """
 
-    def __init__(self, model, loss, optimizer, *, _accumulators_of: TrainStep | None = None, **options):
-        # _accumulators_of (internal): a step of the same model whose accumulators this one takes as
-        # they are allocated (effgrad.plan measured its peaks with them) instead of making new ones.
-        self.options = StepOptions(**options)
+    def __init__(self, model, loss, optimizer, *, accumulators: accumulate.Accumulators | None = None, **options):
+        # accumulators: buffers made for this model's variables to reuse (the planner's, as its measurements
+        # placed them); new ones are made when micro-batches need them and these do not match.
+        self._configure(model, loss, optimizer, StepOptions(**options), accumulators)
+
+    @classmethod
+    def with_options(cls, model, loss, optimizer, options: StepOptions, accumulators=None) -> TrainStep:
+        """A step from validated :class:`StepOptions` (the planner's way in)."""
+        step = cls.__new__(cls)
+        step._configure(model, loss, optimizer, options, accumulators)
+        return step
+
+    def _configure(self, model, loss, optimizer, options: StepOptions, accumulators) -> None:
+        """Everything ``__init__`` sets up (a planned step sets itself up again with the chosen options)."""
+        self.options = options
         if not callable(model) or not hasattr(model, "trainable_variables"):
             raise TypeError(f"model must be a keras.Model or keras.Layer, got {type(model).__name__}.")
         self.model = model
@@ -163,7 +177,7 @@ class TrainStep:
         self._forward_model = model  # the model, or its trunk when the loss is fused with its last layer
         self.fused_loss: bool | None = None
         self.fused_loss_reason = ""
-        self.fused: bool | None = None
+        self.fused_update: bool | None = None
         self.batch_hint: tuple[int, int] | None = None  # (rows, largest other axis) of the first batch
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.noise_scale: noise_scale.GradientNoiseScale | None = None
@@ -172,9 +186,8 @@ class TrainStep:
         self._warned_collapse = False
         self.ready = False
         self._signatures: set[str] = set()
-        self._accumulators: list[tf.Variable] | None = None
-        self._accumulators_finalizer = None
-        self._donor = _accumulators_of
+        self.accumulators: accumulate.Accumulators | None = None
+        self._given_accumulators = accumulators
         self._state_variables: list = []
         self._taps = None  # per-example norm taps (DP-SGD)
         self._seed = None
@@ -195,7 +208,7 @@ class TrainStep:
         value = _checks.positive_int(value, "micro_batches", " (1 = no accumulation)")
         self._check_noise_scale(value)
         self._micro_batches = value
-        if self.ready and value > 1 and self._accumulators is None:
+        if self.ready and value > 1 and self.accumulators is None:
             self._make_accumulators()
 
     def _check_noise_scale(self, micro_batches: int) -> None:
@@ -206,24 +219,11 @@ class TrainStep:
             )
 
     def _make_accumulators(self) -> None:
-        donor, self._donor = self._donor, None
-        if donor is not None and [id(v) for v in donor.model.trainable_variables] == [
-            id(v) for v in self.model.trainable_variables
-        ]:
-            self._accumulators = donor.give_accumulators()
-        if self._accumulators is None:
-            with self.strategy.scope():
-                self._accumulators = accumulate.make_accumulators(self.model.trainable_variables)
-        # Emptied when this step is collected: a graph TF never frees may still hold their handles.
-        self._accumulators_finalizer = accumulate.free_when_collected(self, self._accumulators)
-
-    def give_accumulators(self) -> list[tf.Variable] | None:
-        """Hands this step's accumulators over (another step of the same model takes them as they are
-        allocated); this step no longer has or frees them."""
-        if self._accumulators_finalizer is not None:
-            self._accumulators_finalizer.detach()
-        accumulators, self._accumulators, self._accumulators_finalizer = self._accumulators, None, None
-        return accumulators
+        given, self._given_accumulators = self._given_accumulators, None
+        variables = self.model.trainable_variables
+        self.accumulators = given if given is not None and given.matches(variables) else None
+        if self.accumulators is None:
+            self.accumulators = accumulate.Accumulators(variables, self.strategy)
 
     def prepare(self, x=None) -> None:
         """Creates every variable the step needs, outside any tf.function (the first call does it).
@@ -251,15 +251,15 @@ class TrainStep:
             self.loss_scale = loss_scale_lib.get(self.options.loss_scale, self.model, self._keras_loss_scale)
             if self.options.noise_scale and self.noise_scale is None:
                 self.noise_scale = noise_scale.GradientNoiseScale()
-        if self._micro_batches > 1:
-            self._make_accumulators()
+        if self._micro_batches > 1 or self._given_accumulators is not None:
+            self._make_accumulators()  # given ones: every k runs on the loop they were measured with
         if self.options.private:
             from effgrad.train.per_example import NormTaps
 
             self._taps = NormTaps(self.model)  # refuses BatchNormalization now, before any trace
             self._seed = self.options.seed if self.options.seed is not None else secrets.randbits(62)
         self._state_variables = list(self.model.non_trainable_variables)
-        self._donor = None  # taken from, or not needed: its graphs are not kept alive with this step
+        self._given_accumulators = None  # taken, or not needed
         self.ready = True
 
     @property
@@ -267,6 +267,18 @@ class TrainStep:
         """What Forward calls with each micro-batch's predictions: nothing when the loss is fused
         (there are no logits; the fused objective hands the metrics each position's rank)."""
         return None if self.fused_loss else self.options.on_micro_batch
+
+    def forward(self, *, split: bool) -> flows.Forward:
+        """What one micro-batch's forward pass runs (the model or its trunk, the objective, the state
+        held back): the seam ``fused_update`` and the micro-batch loop share. ``split``: the batch is
+        split into micro-batches."""
+        return flows.Forward(
+            self._forward_model,
+            self._objective,
+            self._state_variables,
+            split=split,
+            on_micro_batch=self._on_micro_batch,
+        )
 
     def _decide(self, x, y=None) -> None:
         """At the first trace: whether the loss is fused with the last layer, and updates with backprop."""
@@ -287,8 +299,8 @@ class TrainStep:
                 )
                 self._forward_model = head.trunk
             _log.info("effgrad: %s", self.fused_loss_reason)
-        if self.fused is None:
-            self.fused = fused_update.decide(self, hint)
+        if self.fused_update is None:
+            self.fused_update = fused_update.decide(self, hint)
 
     def __call__(self, x, y, sample_weight=None) -> dict:
         """Runs one optimizer update on the batch ``(x, y, sample_weight)``.
@@ -302,10 +314,11 @@ class TrainStep:
             _check_batch_sizes(x, y, sample_weight)
         if not self.ready:
             self.prepare(x)
-        # The number of micro-batches is a tensor, so every k >= 2 shares a trace; 1 (no loop) and
-        # XLA (static micro-batch shapes) take it as a Python int.
+        # The number of micro-batches is a tensor, so every k shares one trace once the step has
+        # accumulators (k = 1 then runs one micro-batch through them); before, 1 is the plain step
+        # (no loop), and XLA (static micro-batch shapes) takes k as a Python int.
         k = self._micro_batches
-        runtime_k = k > 1 and not self.options.jit_compile
+        runtime_k = (k > 1 or self.accumulators is not None) and not self.options.jit_compile
         k_arg = tf.constant(k, tf.int32) if runtime_k else k
         if not distributed:
             if self.batch_hint is None:
@@ -368,13 +381,7 @@ class TrainStep:
         local_rows = tf.cast(tf.maximum(accumulate.batch_size(x), 1), tf.float32)
         exact = self._exact(micro_batches)
         split = not (isinstance(micro_batches, int) and micro_batches == 1)
-        forward = flows.Forward(
-            self._forward_model,
-            self._objective,
-            self._state_variables,
-            split=split,
-            on_micro_batch=self._on_micro_batch,
-        )
+        forward = self.forward(split=split)
         normalization = self._normalization()
 
         def multiplier(normalizer):
@@ -405,7 +412,7 @@ class TrainStep:
             (x, y, sample_weight),
             micro_batches,
             flows.Sums.start(self._state_variables, self.noise_scale is not None),
-            accumulators=self._accumulators if split else None,
+            accumulators=self.accumulators.buffers if split else None,
             static_shapes=self.options.jit_compile,
         )
         noise = {k: v for k, v in sums.noise.items() if k != "size"}
@@ -443,7 +450,7 @@ class TrainStep:
         if shard:
             x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
         self._decide(x, y)
-        if self.fused:
+        if self.fused_update and isinstance(micro_batches, int) and micro_batches == 1:
             return fused_update.step(self, x, y, sample_weight)
         facts = flows.Facts()  # what this trace learns about the model, for this trace only
 
@@ -482,7 +489,7 @@ class TrainStep:
             step_update=step_update,
             variables=[variables[i] for i in connected],
             state=[variable for variable, _ in commit],
-            accumulators=None if self._accumulators is None else [self._accumulators[i] for i in connected],
+            accumulators=None if self.accumulators is None else [self.accumulators.buffers[i] for i in connected],
         )
         done = ctx.merge_call(
             apply, args=(step_update.tensors(), [v for _, v in commit], finite & has_weight, finite, has_weight)
