@@ -67,7 +67,7 @@ def test_residual_model_equal_plain_with_dropout_and_batchnorm(rng, mode, traini
 
 def test_cuts_are_where_every_path_passes():
     graph = effgrad.model_graph.layer_graph(residual_net(blocks=3))
-    names = [graph.nodes[i].operation.name for i in graph.cuts]
+    names = [graph.nodes[i].layer.name for i in graph.cuts]
     # Inside the first block the only other live tensor is the model input
     # (passed along, not blocking); inside later blocks the block input is
     # alive next to the branch, so only the residual sums are cuts. The last sum feeds the final

@@ -114,7 +114,7 @@ def test_a_sub_model_called_in_inference_mode_stays_one_call(rng):
     base = keras.Model(inputs, h, name="base")
     frozen = keras.Input((8,))
     frozen_model = keras.Model(frozen, keras.layers.Dense(3)(base(frozen, training=False)))
-    assert [node.operation.name for node in effgrad.model_graph.layer_graph(frozen_model).nodes][0] == "base"
+    assert [node.layer.name for node in effgrad.model_graph.layer_graph(frozen_model).nodes][0] == "base"
     walked = effgrad.model_graph.layer_graph(keras.Model(frozen, keras.layers.Dense(3)(base(frozen))))
     assert len(walked.nodes) == 7 and len(walked.cuts) == 5
     x = tf.constant(rng.normal(size=(4, 8)).astype("float32"))

@@ -12,6 +12,7 @@ Tested with TensorFlow 2.21 and Keras 3.15 (pinned in pyproject.toml).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import keras
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 __all__ = [
     "TESTED",
+    "add_control_input",
     "apply_mask",
     "build_compiled_metrics",
     "compiled_metric_objects",
@@ -27,10 +29,11 @@ __all__ = [
     "context_started",
     "functional_graph",
     "get_keras_mask",
+    "gradient_function",
     "get_stateless_scope",
     "gradients_already_reduced",
     "built_for",
-    "call_arguments",
+    "LayerCall",
     "dynamic_update_slice",
     "flatten_layers",
     "hook_method",
@@ -40,7 +43,6 @@ __all__ = [
     "learning_rate",
     "loss_function_arguments",
     "loss_tracker",
-    "node_kwargs",
     "mmap_of",
     "model_state",
     "own_variables",
@@ -49,6 +51,7 @@ __all__ = [
     "set_learning_rate",
     "optimization_barrier",
     "recording_compiled_loss",
+    "replaced",
     "set_compiled_optimizer",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
@@ -78,6 +81,21 @@ try:
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
 except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an untested TF
     raise _missing("tensorflow.python.eager.record / control_flow_util / tf2xla xla ops", _err) from _err
+
+try:
+    # The registered gradient function of a graph op: fused_update makes a weight's gradient from the
+    # gradient of one use's output, as backprop would.
+    from tensorflow.python.framework.ops import get_gradient_function as gradient_function
+except ImportError as _err:  # pragma: no cover
+    raise _missing("tensorflow.python.framework.ops.get_gradient_function", _err) from _err
+if not callable(getattr(tf.Operation, "_add_control_input", None)):  # pragma: no cover
+    raise _missing("tf.Operation._add_control_input", AttributeError("not found"))
+
+
+def add_control_input(op, control) -> None:
+    """Makes graph op ``op`` (already made) wait for ``control``: backprop paced by the updates it feeds."""
+    op._add_control_input(control)
+
 
 try:
     # The enclosing StatelessScope: nested checkpoints see pending state writes.
@@ -131,10 +149,11 @@ try:
     from keras.src.ops.symbolic_arguments import SymbolicArguments as _SymbolicArguments
 except ImportError as _err:  # pragma: no cover
     raise _missing("keras.src.ops Node / SymbolicArguments (the functional layer graph)", _err) from _err
-if not all(hasattr(_Node, a) for a in ("input_tensors", "output_tensors")) or not hasattr(
-    _SymbolicArguments, "fill_in"
+_NODE_READS = ("operation", "input_tensors", "output_tensors", "arguments", "is_input")
+if not all(hasattr(_Node, a) or a in _Node.__init__.__code__.co_names for a in _NODE_READS) or not all(
+    hasattr(_SymbolicArguments, a) or a in _SymbolicArguments.__init__.__code__.co_names for a in ("fill_in", "args")
 ):  # pragma: no cover
-    raise _missing("keras Node.input_tensors/output_tensors, SymbolicArguments.fill_in", AttributeError("not found"))
+    raise _missing("keras Node.operation/input_tensors/output_tensors/arguments/is_input", AttributeError("not found"))
 
 if not callable(getattr(_TFOptimizer, "_all_reduce_sum_gradients", None)):  # pragma: no cover
     raise _missing("keras TFOptimizer._all_reduce_sum_gradients", AttributeError("not found"))
@@ -305,17 +324,16 @@ def functional_graph(model):
     Keras records the graph of a functional model (and of a built Sequential
     model, which holds one) but exposes no public walk over its layer calls;
     ``effgrad.checkpoint_model`` needs one to find where to cut. ``inputs`` and
-    ``outputs`` keep the model's nesting (dicts of named inputs, lists). Of
-    each ``Node`` effgrad.model_graph reads ``operation``, ``is_input``,
-    ``input_tensors``, ``output_tensors`` and ``arguments.fill_in`` (checked
-    at import), and of a KerasTensor ``_keras_history.operation``.
+    ``outputs`` keep the model's nesting (dicts of named inputs, lists). Each
+    layer call is a :class:`LayerCall` (Keras's ``Node`` read once, here).
     """
     if isinstance(model, keras.Sequential):
         model = getattr(model, "_functional", None)
     if model is None or not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
         return None
     try:
-        return model._nodes_by_depth, model._inputs_struct, model._outputs_struct
+        nodes = {depth: [_layer_call(n) for n in at] for depth, at in model._nodes_by_depth.items()}
+        return nodes, model._inputs_struct, model._outputs_struct
     except AttributeError as err:  # pragma: no cover
         raise _missing("keras Functional._inputs_struct/_outputs_struct", err) from err
 
@@ -355,6 +373,21 @@ _INTERCEPTING = threading.RLock()
 
 
 @contextlib.contextmanager
+def replaced(obj, name: str, value):
+    """``obj.<name>`` is ``value`` inside the block (an instance attribute, outside Keras's tracking), as it
+    was after: the one way effgrad swaps a method of a Keras object for the length of a call."""
+    own = obj.__dict__.get(name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is None:
+            object.__delattr__(obj, name)
+        else:
+            object.__setattr__(obj, name, own)
+
+
+@contextlib.contextmanager
 def intercepted_call(layer, replacement):
     """``layer.call`` is ``replacement(original_call, *args, **kwargs)`` inside the block.
 
@@ -369,37 +402,54 @@ def intercepted_call(layer, replacement):
     traces in two threads take turns (a lock).
     """
     with _INTERCEPTING:
-        own = layer.__dict__.get("call")
         original = layer.call
-        object.__setattr__(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs))
-        try:
+        with replaced(layer, "call", lambda *args, **kwargs: replacement(original, *args, **kwargs)):
             yield
-        finally:
-            if own is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", own)
 
 
-def producer(tensor):
-    """``(layer, node)`` that produced a symbolic Keras tensor of a functional model."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerCall:
+    """One recorded call of a layer in a functional model: Keras's ``Node``, read here only.
+
+    Attributes:
+        layer: The layer (or operation) called.
+        inputs: The symbolic tensors it was called on.
+        outputs: The symbolic tensors it made.
+        args: Its positional arguments as recorded (symbolic tensors and constants).
+        kwargs: Its keyword arguments as recorded.
+        is_input: Whether it is a model input's placeholder, not a call.
+    """
+
+    layer: object
+    inputs: list
+    outputs: list
+    args: tuple
+    kwargs: dict
+    is_input: bool
+    _node: object = dataclasses.field(repr=False)
+
+    def fill_in(self, values: dict) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with each symbolic input replaced by ``values[id(tensor)]``."""
+        return self._node.arguments.fill_in(values)
+
+
+def _layer_call(node) -> LayerCall:
+    arguments = node.arguments
+    return LayerCall(
+        node.operation, list(node.input_tensors), list(node.output_tensors), tuple(arguments.args),
+        dict(arguments.kwargs), bool(node.is_input), node,
+    )  # fmt: skip
+
+
+def producer(tensor) -> tuple[object, LayerCall]:
+    """``(layer, its call)`` that produced a symbolic Keras tensor of a functional model."""
     layer, node_index, _ = tensor._keras_history
-    return layer, layer._inbound_nodes[node_index]
+    return layer, _layer_call(layer._inbound_nodes[node_index])
 
 
-def inbound_nodes(layer) -> list:
+def inbound_nodes(layer) -> list[LayerCall]:
     """Every call of ``layer`` recorded in functional models (one per graph it is used in)."""
-    return list(getattr(layer, "_inbound_nodes", []))
-
-
-def call_arguments(node, values: dict) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a recorded layer call with its symbolic inputs replaced by ``values``."""
-    return node.arguments.fill_in(values)
-
-
-def node_kwargs(node) -> dict:
-    """The keyword arguments (symbolic or constant) of a recorded layer call."""
-    return dict(node.arguments.kwargs)
+    return [_layer_call(node) for node in getattr(layer, "_inbound_nodes", [])]
 
 
 def loss_function_arguments(loss) -> dict:

@@ -77,18 +77,18 @@ class Graph:
 
     def inputs_of(self, node) -> list:
         """``node``'s input tensors, as tensors of this graph."""
-        return [self.tensor(t) for t in node.input_tensors]
+        return [self.tensor(t) for t in node.inputs]
 
     def replay(self, nodes, values: dict) -> None:
         """Calls ``nodes``'s layers on ``values`` (``{id(tensor): value}``), adding their outputs."""
         for node in nodes:
-            args, kwargs = _compat.call_arguments(node, {id(t): values[id(self.tensor(t))] for t in node.input_tensors})
-            results = keras.tree.flatten(node.operation(*args, **kwargs))
-            values.update((id(t), r) for t, r in zip(node.output_tensors, results))
+            args, kwargs = node.fill_in({id(t): values[id(self.tensor(t))] for t in node.inputs})
+            results = keras.tree.flatten(node.layer(*args, **kwargs))
+            values.update((id(t), r) for t, r in zip(node.outputs, results))
 
     def segment_io(self, start: int, stop: int) -> tuple[list, list]:
         """Inputs (produced before ``start``) and outputs (needed after ``stop``) of ``nodes[start:stop]``."""
-        before = {id(t) for t in self.inputs} | {id(t) for node in self.nodes[:start] for t in node.output_tensors}
+        before = {id(t) for t in self.inputs} | {id(t) for node in self.nodes[:start] for t in node.outputs}
         needed_later = {id(t) for node in self.nodes[stop:] for t in self.inputs_of(node)}
         needed_later |= {id(t) for t in self.outputs}
         inputs, outputs, seen = [], [], set()
@@ -97,7 +97,7 @@ class Graph:
                 if id(t) in before and id(t) not in seen:
                     seen.add(id(t))
                     inputs.append(t)
-            for t in node.output_tensors:
+            for t in node.outputs:
                 if id(t) in needed_later and id(t) not in seen:
                     seen.add(id(t))
                     outputs.append(t)
@@ -147,8 +147,8 @@ def _size(node, unknown: int = 1) -> int:
     The output's size (unknown axes count as ``unknown``) times the number of
     layers the call runs: a transformer layer keeps far more than its output.
     """
-    out = sum(math.prod(unknown if d is None else d for d in t.shape[1:]) for t in node.output_tensors)
-    return out * max(1, len(_compat.flatten_layers(node.operation)) - 1)
+    out = sum(math.prod(unknown if d is None else d for d in t.shape[1:]) for t in node.outputs)
+    return out * max(1, len(_compat.flatten_layers(node.layer)) - 1)
 
 
 def _ordered(nodes_by_depth) -> list:
@@ -160,8 +160,8 @@ def _ordered(nodes_by_depth) -> list:
 def _inlined(node, uses: int, aliases: dict) -> list | None:
     """The layer calls of a functional sub-model called once by ``node`` (recording in ``aliases``
     what its inputs and outputs stand for), or None: then ``node`` stays one call."""
-    parts = _compat.functional_graph(node.operation) if isinstance(node.operation, keras.Model) else None
-    args, kwargs = node.arguments.args, node.arguments.kwargs
+    parts = _compat.functional_graph(node.layer) if isinstance(node.layer, keras.Model) else None
+    args, kwargs = node.args, node.kwargs
     if parts is None or uses != 1 or len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
         # Called twice its tensors would collide; a mask or training=False (a frozen base model's
         # BatchNorm) is an argument its layers would not get.
@@ -174,7 +174,7 @@ def _inlined(node, uses: int, aliases: dict) -> list | None:
     for inner, outer in zip(keras.tree.flatten(inner_inputs), keras.tree.flatten(args[0])):
         if inner is not outer:  # a keras_hub task model passes its backbone's own inputs
             aliases[id(inner)] = outer
-    for outer, inner in zip(node.output_tensors, keras.tree.flatten(inner_outputs)):
+    for outer, inner in zip(node.outputs, keras.tree.flatten(inner_outputs)):
         aliases[id(outer)] = inner
     return _flat(_ordered(nodes_by_depth), aliases)
 
@@ -182,10 +182,10 @@ def _inlined(node, uses: int, aliases: dict) -> list | None:
 def _flat(nodes: list, aliases: dict) -> list:
     uses: dict[int, int] = {}
     for node in nodes:
-        uses[id(node.operation)] = uses.get(id(node.operation), 0) + 1
+        uses[id(node.layer)] = uses.get(id(node.layer), 0) + 1
     flat = []
     for node in nodes:
-        inner = _inlined(node, uses[id(node.operation)], aliases)
+        inner = _inlined(node, uses[id(node.layer)], aliases)
         flat.extend([node] if inner is None else inner)
     return flat
 
@@ -205,15 +205,15 @@ def layer_graph(model: keras.Model) -> Graph:
     # Side tensors: model inputs and what weightless calls compute from them.
     side = {id(t) for t in inputs}
     for node in nodes:
-        if not getattr(node.operation, "weights", None) and all(id(t) in side for t in g.inputs_of(node)):
-            side.update(id(t) for t in node.output_tensors)
+        if not getattr(node.layer, "weights", None) and all(id(t) in side for t in g.inputs_of(node)):
+            side.update(id(t) for t in node.outputs)
 
     last = nodes[-1]
-    head = int(len(nodes) > 1 and len(outputs) == 1 and outputs[0] is last.output_tensors[0] and _is_projection(last))
+    head = int(len(nodes) > 1 and len(outputs) == 1 and outputs[0] is last.outputs[0] and _is_projection(last))
     cuts = []
     alive = {id(t) for t in inputs}
     for i, node in enumerate(nodes[: len(nodes) - 1 - head]):
-        alive.update(id(t) for t in node.output_tensors)
+        alive.update(id(t) for t in node.outputs)
         alive = {t for t in alive if last_use.get(t, -1) > i}
         if sum(t not in side for t in alive) == 1:
             cuts.append(i)
@@ -229,9 +229,9 @@ def layer_graph(model: keras.Model) -> Graph:
 
 
 def _is_projection(node) -> bool:
-    layer = node.operation
+    layer = node.layer
     if isinstance(layer, keras.layers.ReversibleEmbedding):  # keras_hub's subclasses it; tied or not
-        return bool(_compat.node_kwargs(node).get("reverse"))
+        return bool(node.kwargs.get("reverse"))
     return isinstance(layer, keras.layers.Dense)
 
 

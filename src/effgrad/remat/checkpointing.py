@@ -331,7 +331,7 @@ def _check_chain(layers) -> None:
         nodes = _compat.inbound_nodes(layer)
         if not nodes:
             return  # never called: nothing recorded to check
-        inputs = nodes[0].input_tensors
+        inputs = nodes[0].inputs
         if len(inputs) > 1:
             names = [t.name for t in inputs[1:]]
             raise ValueError(
@@ -345,7 +345,7 @@ def _check_chain(layers) -> None:
                 "(a graph with branches or skip connections, e.g. model.layers of a ResNet). Use "
                 "effgrad.checkpoint_model(model), which cuts the graph where every path passes."
             )
-        previous = nodes[0].output_tensors[0] if len(nodes[0].output_tensors) == 1 else None
+        previous = nodes[0].outputs[0] if len(nodes[0].outputs) == 1 else None
 
 
 def _sequential_layers(layers_or_sequential):

@@ -644,7 +644,7 @@ def find_head(model) -> Head | str:
         if len(layer.kernel.shape) != 2:
             return f"its last layer {layer.name!r} has a kernel that is not 2-D"
         transposed, soft_cap = False, None
-    elif isinstance(layer, keras.layers.ReversibleEmbedding) and _compat.node_kwargs(node).get("reverse"):
+    elif isinstance(layer, keras.layers.ReversibleEmbedding) and node.kwargs.get("reverse"):
         # keras_hub's ReversibleEmbedding subclasses Keras's, inheriting its code.
         if why := _proof.stands_in_for(layer, keras.layers.ReversibleEmbedding, _LAYER_CODE):
             return f"its last layer {layer.name!r} is not Keras's ReversibleEmbedding as such: {why}"
@@ -655,7 +655,7 @@ def find_head(model) -> Head | str:
         return f"its last layer {layer.name!r} is a {type(layer).__name__}, not a Dense or a reversed embedding"
     if getattr(layer, "quantization_mode", None) or layer.activity_regularizer is not None:
         return f"its last layer {layer.name!r} is quantized or adds an activity regularization loss"
-    inputs = node.input_tensors
+    inputs = node.inputs
     if len(inputs) != 1:
         return f"its last layer {layer.name!r} takes {len(inputs)} inputs"
     trunk = keras.Model(inputs_struct, inputs[0], name=f"{model.name}_trunk")

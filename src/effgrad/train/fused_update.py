@@ -265,7 +265,7 @@ def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap:
             continue
         for maker in makers[order[p]]:
             if maker.graph is done.graph and id(maker) not in before:
-                maker._add_control_input(done)
+                _compat.add_control_input(maker, done)
 
 
 def _roots(ops: list) -> list:

@@ -33,6 +33,8 @@ import contextlib
 
 import tensorflow as tf
 
+from effgrad import _compat
+
 # Keras's per-variable optimizers: an update_step that touches only the variable, its slots, scalars.
 from effgrad.train.compact import SUPPORTED
 
@@ -70,9 +72,5 @@ def compiled(optimizer):
             )
         cache[id(variable)](gradient, tf.convert_to_tensor(learning_rate))
 
-    # object.__setattr__: a plain instance attribute, no Keras tracking; gone when apply() returns.
-    object.__setattr__(optimizer, "update_step", update_step)
-    try:
+    with _compat.replaced(optimizer, "update_step", update_step):  # gone when apply() returns
         yield
-    finally:
-        object.__delattr__(optimizer, "update_step")

@@ -39,8 +39,8 @@ import dataclasses
 import math
 
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops
 
+from effgrad import _compat
 from effgrad.train import accumulate
 
 __all__ = ["Use", "uses_of", "weight_gradient", "finite_bound"]
@@ -148,12 +148,12 @@ def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
         dz = output_grads.get(id(use.output))
         if dz is None:
             continue
-        grad = tf_ops.get_gradient_function(use.op)(use.op, tf.convert_to_tensor(dz))
+        grad = _compat.gradient_function(use.op)(use.op, tf.convert_to_tensor(dz))
         grad = grad[use.index] if isinstance(grad, (list, tuple)) else grad
         for view in reversed(use.views):
             if grad is None:
                 break
-            grad = tf_ops.get_gradient_function(view)(view, tf.convert_to_tensor(grad))
+            grad = _compat.gradient_function(view)(view, tf.convert_to_tensor(grad))
             grad = grad[0] if isinstance(grad, (list, tuple)) else grad
         if grad is not None:
             parts.append(grad)

@@ -144,17 +144,18 @@ class TrainStep:
     def __init__(self, model, loss, optimizer, *, accumulators: accumulate.Accumulators | None = None, **options):
         # accumulators: buffers made for this model's variables to reuse (the planner's, as its measurements
         # placed them); new ones are made when micro-batches need them and these do not match.
-        self._configure(model, loss, optimizer, StepOptions(**options), accumulators)
+        self.configure(model, loss, optimizer, StepOptions(**options), accumulators)
 
     @classmethod
     def with_options(cls, model, loss, optimizer, options: StepOptions, accumulators=None) -> TrainStep:
         """A step from validated :class:`StepOptions` (the planner's way in)."""
         step = cls.__new__(cls)
-        step._configure(model, loss, optimizer, options, accumulators)
+        step.configure(model, loss, optimizer, options, accumulators)
         return step
 
-    def _configure(self, model, loss, optimizer, options: StepOptions, accumulators) -> None:
-        """Everything ``__init__`` sets up (a planned step sets itself up again with the chosen options)."""
+    def configure(self, model, loss, optimizer, options: StepOptions, accumulators=None) -> None:
+        """Sets the step up for these arguments, as ``__init__`` does: a step planned at its first call
+        (:class:`effgrad.train.planning.planned_step.PlannedTrainStep`) becomes the chosen step this way."""
         self.options = options
         if not callable(model) or not hasattr(model, "trainable_variables"):
             raise TypeError(f"model must be a keras.Model or keras.Layer, got {type(model).__name__}.")

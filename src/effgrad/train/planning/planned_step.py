@@ -34,7 +34,7 @@ class PlannedTrainStep(TrainStep):
         self._planning = (loss, optimizer, checked, margin, verbose)
         self.plan: MemoryPlan | None = None
         # Until it plans: the plain step (the noise scale's two micro-batches are the plan's to choose).
-        self._configure(model, loss, optimizer, checked.replace(noise_scale=False), None)
+        self.configure(model, loss, optimizer, checked.replace(noise_scale=False), None)
 
     @property
     def micro_batches(self):
@@ -55,7 +55,7 @@ class PlannedTrainStep(TrainStep):
             )  # fmt: skip
             # The step it planned: the chosen model and options, the accumulators its peaks were measured with.
             chosen_options = options.replace(micro_batches=chosen.micro_batches)
-            self._configure(chosen.model, loss, optimizer, chosen_options, chosen.accumulators)
+            self.configure(chosen.model, loss, optimizer, chosen_options, chosen.accumulators)
             self.plan = chosen
         return self.plan
 
