@@ -9,8 +9,9 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from effgrad.train import compact
-from effgrad.train.compact import SUPPORTED, CompactSlot, dequantize, quantize
+from effgrad.train.compact import CompactSlot, dequantize, quantize
+from effgrad.train.compact import optimizer as compact_optimizer
+from effgrad.train.optimizers import PER_VARIABLE as SUPPORTED
 from helpers import in_fresh_processes, tiny_gpt2_lm
 
 
@@ -134,7 +135,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
     y = rng.normal(size=(16, 3)).astype("float32")
 
     def run(part_elements):
-        monkeypatch.setattr(compact, "PART_ELEMENTS", part_elements)
+        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
         with strategy.scope() if mode == "mirrored" else contextlib.nullcontext():
             model = _model(features=40)  # a [40, 256] kernel: 5 blocks of 2048, parts of 2, 2 and 1
             opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype=dtype)
@@ -146,7 +147,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
 
     whole = run(10**9)
     calls = []
-    monkeypatch.setattr(compact, "_Part", _counting(compact._Part, calls))
+    monkeypatch.setattr(compact_optimizer, "Part", _counting(compact_optimizer.Part, calls))
     parts = run(4096)
     # The kernel's update (per replica) traced once: the loop's part of 2 blocks and the last block.
     assert [tuple(value.shape) for _, value in calls if value.shape.rank == 1] == [(4096,), (2048,)] * (
@@ -238,7 +239,7 @@ def test_a_learning_rate_schedule_is_kept_and_followed(rng):
 
 
 def test_embedding_rows_get_sparse_updates_like_float32(rng, monkeypatch):
-    monkeypatch.setattr(compact, "PART_ELEMENTS", 4096)  # the table in parts, as a large one is
+    monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", 4096)  # the table in parts, as a large one is
     tokens = rng.integers(0, 1000, size=(8, 5)).astype("int32")
     labels = rng.integers(0, 4, size=(8, 5))
 
@@ -408,7 +409,7 @@ def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng):
 def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monkeypatch):
     # GPT-2's tied table gets a dense gradient with no static shape (a lookup's, densified, plus
     # the output projection's): the compiled update of its parts takes the table's shape.
-    monkeypatch.setattr(compact, "PART_ELEMENTS", 256)
+    monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", 256)
     tokens = rng.integers(0, 50, (4, 8)).astype("int32")
     x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
     tables = {}

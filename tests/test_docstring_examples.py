@@ -11,6 +11,7 @@ import tensorflow as tf
 import effgrad
 from effgrad import _proof
 from effgrad.train import accumulate, compact
+from effgrad.train.compact import codec
 
 EXAMPLES = [
     effgrad.build_train_step,
@@ -24,6 +25,7 @@ EXAMPLES = [
     effgrad.fused_sparse_cross_entropy,
     effgrad.compact_state,
     compact,  # the module's example
+    codec,
     _proof,
     accumulate.Accumulators,
 ]

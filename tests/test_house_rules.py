@@ -31,6 +31,8 @@ def violations(source: str, name: str = "<module>") -> list[str]:
             defined.add(node.id)
         elif isinstance(node, ast.alias):
             defined.add(node.asname or node.name.split(".")[0])
+        elif isinstance(node, ast.keyword) and node.arg:
+            defined.add(node.arg)  # set by keyword: self.__dict__.update(_name=...)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
             defined.add(node.value)  # set by name: object.__setattr__(self, "_name", ...)
     found = []
@@ -59,7 +61,9 @@ def test_the_check_catches_a_private_import_and_a_foreign_private():
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_compat.py"), ids=lambda p: str(p.relative_to(PACKAGE))
+    "path",
+    sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_compat.py"),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_no_private_access_outside_compat(path):
     assert violations(path.read_text(), str(path.relative_to(PACKAGE))) == []

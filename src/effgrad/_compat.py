@@ -33,6 +33,9 @@ __all__ = [
     "get_stateless_scope",
     "gradients_already_reduced",
     "built_for",
+    "SlotsOfStandIns",
+    "variable_key",
+    "optimizer_strategy",
     "LayerCall",
     "dynamic_update_slice",
     "flatten_layers",
@@ -342,6 +345,28 @@ def flatten_layers(model) -> list:
     """``model`` and every layer nested in it, each once (Keras's own walk over sublayers); ``[op]`` for an op."""
     walk = getattr(model, "_flatten_layers", None)
     return [model] if walk is None else list(walk(include_self=True, recursive=True))
+
+
+def variable_key(optimizer, variable):
+    """The key a Keras optimizer files ``variable``'s slots under."""
+    return optimizer._var_key(variable)
+
+
+def optimizer_strategy(optimizer) -> tf.distribute.Strategy:
+    """The ``tf.distribute`` strategy a Keras optimizer was built under."""
+    return optimizer._distribution_strategy
+
+
+class SlotsOfStandIns:
+    """Mixed into a Keras optimizer: an object standing for a variable (with ``stands_for``, e.g. a part of it
+    being updated) finds that variable's slots, which Keras looks up by ``_get_variable_index``."""
+
+    def _get_variable_index(self, variable):
+        return super()._get_variable_index(getattr(variable, "stands_for", variable))
+
+
+if not all(hasattr(keras.optimizers.Optimizer, a) for a in ("_var_key", "_get_variable_index")):  # pragma: no cover
+    raise _missing("keras Optimizer._var_key / _get_variable_index", AttributeError("not found"))
 
 
 def built_for(optimizer) -> list:

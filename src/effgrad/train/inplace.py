@@ -34,11 +34,9 @@ import contextlib
 import tensorflow as tf
 
 from effgrad import _compat
+from effgrad.train.optimizers import PER_VARIABLE
 
-# Keras's per-variable optimizers: an update_step that touches only the variable, its slots, scalars.
-from effgrad.train.compact import SUPPORTED
-
-__all__ = ["MIN_ELEMENTS", "SUPPORTED", "compiled"]
+__all__ = ["MIN_ELEMENTS", "PER_VARIABLE", "compiled"]
 
 # 4 MiB of float32: below it the temporaries are small, and a compilation costs more than it saves.
 MIN_ELEMENTS = 2**20
@@ -48,11 +46,11 @@ MIN_ELEMENTS = 2**20
 def compiled(optimizer):
     """While it is open, ``optimizer.update_step`` runs large dense updates as XLA functions.
 
-    Only the exact classes of ``SUPPORTED`` are changed (a subclass may
+    Only the exact classes of ``PER_VARIABLE`` are changed (a subclass may
     compute what XLA cannot). The compiled updates are kept on the optimizer
     (one per variable), so a retraced step reuses them.
     """
-    if type(optimizer) not in SUPPORTED:
+    if type(optimizer) not in PER_VARIABLE:
         yield
         return
     plain = optimizer.update_step

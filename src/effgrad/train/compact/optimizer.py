@@ -1,52 +1,4 @@
-"""Optimizer state in fewer bits: int8 block-wise or bfloat16 moments for Keras optimizers.
-
-Adam keeps two float32 numbers per weight, twice the model's own size: in a
-fine-tuning step whose gradients are consumed in backward
-(``fused_update``) they are the largest thing left. :func:`compact_state`
-returns the same optimizer with each slot stored in 8 or 16 bits; each
-variable's slots are expanded to float32, updated and compressed again
-inside that variable's own update (one XLA-compiled loop over parts of
-2^18 numbers that writes the variable in place), so no float32 copy of all
-slots exists.
-
-int8 is block-wise (Dettmers et al., "8-bit Optimizers via Block-wise
-Quantization", ICLR 2022): the slot is cut into blocks of ``block_size``
-numbers, each with its float32 scale (the block's largest magnitude), and
-each number ``x`` is stored as one byte ``q`` on a companded (fourth-root)
-scale::
-
-    u = |x| / scale                       in [0, 1]
-    q = round(L * u ** (1/4))             L = 255 if the block has no negative number, else 127 (and a sign)
-    x ~ sign * (q / L) ** 4 * scale       the scale's sign records which of the two L was used
-
-Why companded and not linear: Adam's second moment spans many decades
-within a block, and linear codes round its small entries to 0, where
-``m / (sqrt(v) + eps)`` explodes. Measured on a trained MLP's slots
-(``benchmarks/compact_state.py``): linear codes zeroed 17% of ``v`` and
-moved the 99th percentile of the update by 138 (median update 0.2);
-bitsandbytes' dynamic-tree map zeroed 1.6% (largest error 5.1); the
-fourth-root scale zeroed 0.07% with a largest error of 0.5. It is also
-a few multiplies per number and compiles with XLA (no table search).
-
-bfloat16 keeps each slot as a bfloat16 variable (rounded to nearest): half
-the bytes, 3 significant digits.
-
-Example:
-    >>> import keras, effgrad
-    >>> opt = effgrad.compact_state(keras.optimizers.Adam(1e-3), dtype="int8")
-    >>> isinstance(opt, keras.optimizers.Adam)
-    True
-    >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128)])
-    >>> opt.build(model.trainable_variables)
-    >>> sorted({str(v.dtype) for v in opt.variables})  # codes, scales, small slots, step
-    ['float32', 'int64', 'int8']
-
-Trap:
-    Slots of variables smaller than ``min_size`` (biases, norms) stay
-    float32: compressing them saves nothing and their scale would cost more.
-    Keras's EMA weights (``use_ema``) and its own gradient accumulators stay
-    float32 too: they are weights and gradients, not moment estimates.
-"""
+"""``compact_state``: a Keras optimizer whose large slots are :class:`~effgrad.train.compact.slot.CompactSlot`."""
 
 from __future__ import annotations
 
@@ -55,259 +7,20 @@ import math
 
 import keras
 import tensorflow as tf
-from tensorflow.compiler.tf2xla.python import xla  # dynamic_update_slice: XLA's in-place write
 
 from effgrad import _checks, _compat
+from effgrad.train import optimizers
+from effgrad.train.compact.slot import CompactSlot, Part, place
+
+__all__ = ["compact_state", "DTYPES"]
 
 DTYPES = ("int8", "bfloat16")
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
 
 PART_ELEMENTS = 2**18  # large variables are updated this many numbers (1 MiB of float32) at a time
 
-# Keras's per-variable optimizers: each reads and writes its slots only through
-# `self.assign*` and ops on the slot, which a CompactSlot answers.
-SUPPORTED = (
-    keras.optimizers.Adam,
-    keras.optimizers.AdamW,
-    keras.optimizers.Adamax,
-    keras.optimizers.Nadam,
-    keras.optimizers.RMSprop,
-    keras.optimizers.Lion,
-    keras.optimizers.SGD,
-    keras.optimizers.Adafactor,
-    keras.optimizers.Adagrad,
-    keras.optimizers.Adadelta,
-    keras.optimizers.Lamb,
-    keras.optimizers.Ftrl,
-)
-# Whose update of each number depends on that number alone: they can update a variable in parts.
-ELEMENTWISE = tuple(c for c in SUPPORTED if c not in (keras.optimizers.Adafactor, keras.optimizers.Lamb))
 
-
-@tf.function(jit_compile=True, autograph=False)
-def quantize(x: tf.Tensor, block_size: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(codes int8 [blocks, block_size], scales float32 [blocks])`` of ``x``.
-
-    Blocks with no negative number use all 256 codes for magnitudes (their
-    scale is stored negated to say so); other blocks use a sign and 127.
-    """
-    flat = tf.reshape(tf.cast(x, tf.float32), [-1])
-    flat = tf.pad(flat, [[0, -tf.size(flat) % block_size]])
-    blocks = tf.reshape(flat, [-1, block_size])
-    absmax = tf.reduce_max(tf.abs(blocks), axis=1)
-    unsigned = tf.reduce_min(blocks, axis=1) >= 0.0
-    # Per block, not per number: one division per block (a multiply per number).
-    per_block = tf.where(unsigned, 255.0, 127.0) * tf.math.divide_no_nan(1.0, tf.sqrt(tf.sqrt(absmax)))
-    q = tf.round(tf.sqrt(tf.sqrt(tf.abs(blocks))) * per_block[:, None])  # L * (|x| / scale) ** (1/4)
-    codes = tf.where(unsigned[:, None], q - 128.0, tf.sign(blocks) * q)
-    return tf.cast(codes, tf.int8), tf.where(unsigned, -absmax, absmax)
-
-
-@tf.function(jit_compile=True, autograph=False)
-def dequantize(codes: tf.Tensor, scales: tf.Tensor, shape) -> tf.Tensor:
-    """The float32 tensor of ``shape`` that :func:`quantize` encoded (up to its rounding)."""
-    codes = tf.cast(codes, tf.float32)
-    unsigned = scales < 0.0
-    offset = tf.where(unsigned, 128.0, 0.0)[:, None]
-    step = tf.where(unsigned, 1.0 / 255.0, 1.0 / 127.0)[:, None]
-    q = (codes + offset) * step
-    blocks = q * tf.abs(q) * tf.square(q) * tf.abs(scales)[:, None]  # sign * |q| ** 4 * scale
-    size = math.prod(shape)
-    return tf.reshape(tf.reshape(blocks, [-1])[:size], shape)
-
-
-class CompactSlot:
-    """One optimizer slot kept in int8 blocks or bfloat16; reads as float32.
-
-    Within one update (:meth:`_CompactState.update_step`) the slot is
-    :meth:`load`-ed with its stored tensors (or a part's), the optimizer's
-    own update reads it like a tensor and writes it through ``assign*``;
-    the update uses the exact new moment (as bitsandbytes does), and
-    :meth:`result` compresses it once at the end. Nothing here touches a
-    variable: reading and writing the storage are :meth:`read` and
-    :meth:`write`, outside the compiled update.
-    """
-
-    def __init__(self, optimizer, reference, name: str, initializer):
-        self.shape = tuple(reference.shape)
-        self.dtype = "float32"
-        self.name = name
-        self._mode = optimizer.compact_dtype
-        self._block = optimizer.block_size
-        self.forget()
-        initializer = keras.initializers.get(initializer)
-        zeros = isinstance(initializer, keras.initializers.Zeros)
-
-        def initial(index):
-            # Non-zero initial slots (Adagrad's, Ftrl's accumulators) are encoded once.
-            def make(shape, dtype):
-                return quantize(initializer(self.shape, "float32"), self._block)[index]
-
-            return "zeros" if zeros else make
-
-        if self._mode == "bfloat16":
-            self._storage = (optimizer._add_storage(reference, name, self.shape, "bfloat16", initializer),)
-        else:
-            blocks = -(-math.prod(self.shape) // self._block)
-            self._storage = (
-                optimizer._add_storage(reference, f"{name}_codes", (blocks, self._block), "int8", initial(0)),
-                optimizer._add_storage(reference, f"{name}_scales", (blocks,), "float32", initial(1)),
-            )
-
-    def read(self) -> tuple:
-        # Read here, in this device's update context: a distributed variable captured by a
-        # tf.function would be read there as its first replica's copy.
-        return tuple(tf.convert_to_tensor(variable) for variable in self._storage)
-
-    def write(self, stored) -> None:
-        for variable, tensor in zip(self._storage, stored):
-            variable.assign(tensor)
-
-    def load(self, stored, shape=None) -> None:
-        """Makes ``stored`` (this slot's tensors, or a part's) the value the update reads."""
-        self._input, self._shape, self._current, self._written = tuple(stored), shape or self.shape, None, False
-
-    def result(self) -> tuple:
-        """The stored form of the slot after the update (its input if the update did not write it)."""
-        if not self._written:
-            return self._input
-        if self._mode == "bfloat16":
-            return (tf.cast(self._current, tf.bfloat16),)
-        return quantize(self._current, self._block)
-
-    def forget(self) -> None:
-        self._input = self._shape = self._current = None
-        self._written = False
-
-    def value(self) -> tf.Tensor:
-        """The slot as float32, kept for the rest of this update (outside one: its stored value)."""
-        if self._input is None:
-            return self._decode(self.read(), self.shape)
-        if self._current is None:
-            self._current = self._decode(self._input, self._shape)
-        return self._current
-
-    def _decode(self, stored, shape) -> tf.Tensor:
-        if self._mode == "int8":
-            return dequantize(*stored, shape)
-        stored = tf.bitcast(stored[0], tf.bfloat16) if stored[0].dtype == tf.int16 else stored[0]  # see flat()
-        return tf.reshape(tf.cast(stored, tf.float32), shape)
-
-    def assign(self, value) -> None:
-        if isinstance(value, tf.IndexedSlices):  # Keras's assign of rows
-            value = tf.tensor_scatter_nd_update(self.value(), value.indices[:, None], value.values)
-        self._current, self._written = tf.cast(tf.convert_to_tensor(value), tf.float32), True
-
-    def assign_add(self, value) -> None:
-        self.assign(self.value() + _dense(value))
-
-    def assign_sub(self, value) -> None:
-        self.assign(self.value() - _dense(value))
-
-    # A large variable's update works on its flat parts: these cut and place a part of the storage.
-    def flat(self, stored) -> tuple:
-        """``stored`` as parts are cut from it: int8 codes as they are, bfloat16 flat and viewed as int16.
-
-        int16, because XLA on CPU has no bfloat16 scatter or update-slice of
-        its own: it would convert the whole slot to float32 and back at every part.
-        """
-        if self._mode == "int8":
-            return tuple(stored)
-        return (tf.bitcast(tf.reshape(stored[0], [-1]), tf.int16),)
-
-    def unflat(self, stored) -> tuple:
-        if self._mode == "int8":
-            return tuple(stored)
-        return (tf.reshape(tf.bitcast(stored[0], tf.bfloat16), self.shape),)
-
-    def slice(self, stored, start, size: int) -> tuple:
-        """The stored form of numbers ``[start, start + size)`` (``start`` on a block boundary) of :meth:`flat`."""
-        if self._mode == "bfloat16":
-            return (tf.slice(stored[0], [start], [size]),)
-        first, blocks = start // self._block, -(-size // self._block)
-        return tf.slice(stored[0], [first, 0], [blocks, self._block]), tf.slice(stored[1], [first], [blocks])
-
-    def place(self, stored, part, start) -> tuple:
-        """:meth:`flat` ``stored`` with the part that :meth:`slice` cut at ``start`` replaced by ``part``."""
-        if self._mode == "bfloat16":
-            return (_place(stored[0], tf.bitcast(tf.reshape(part[0], [-1]), tf.int16), [start]),)
-        first = start // self._block
-        return _place(stored[0], part[0], [first, 0]), _place(stored[1], part[1], [first])
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        value = self.value()
-        return value if dtype is None else tf.cast(value, dtype)
-
-    def __repr__(self) -> str:
-        return f"<CompactSlot {self.name} shape={self.shape} stored as {self._mode}>"
-
-    # Some updates use Python operators on slots (`m * (momentum - 1)`).
-    def __neg__(self):
-        return -self.value()
-
-    def __add__(self, other):
-        return self.value() + other
-
-    def __radd__(self, other):
-        return other + self.value()
-
-    def __sub__(self, other):
-        return self.value() - other
-
-    def __rsub__(self, other):
-        return other - self.value()
-
-    def __mul__(self, other):
-        return self.value() * other
-
-    def __rmul__(self, other):
-        return other * self.value()
-
-    def __truediv__(self, other):
-        return self.value() / other
-
-    def __rtruediv__(self, other):
-        return other / self.value()
-
-    def __pow__(self, other):
-        return self.value() ** other
-
-
-def _place(whole, part, offsets):
-    # `part` written into `whole` at `offsets`: in place inside XLA's loop (an update-slice; a
-    # scatter of numbers would be a copy per number).
-    return xla.dynamic_update_slice(whole, part, offsets)
-
-
-class _Part:
-    """A model variable's new value (or a flat part of it), as the optimizer's update writes it.
-
-    Keras's update reads it like the variable and writes it with ``assign*``;
-    the value is returned by the compiled update and assigned to the
-    variable once (a dense write: row writes would put the variable in
-    TensorFlow's copy-on-read mode, where every later read copies it).
-    """
-
-    def __init__(self, variable, value):
-        self.parent, self.value = variable, value
-        self.dtype, self.shape = variable.dtype, tuple(value.shape)
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        return self.value if dtype is None else tf.cast(self.value, dtype)
-
-    def write(self, method: str, value) -> None:
-        value = tf.cast(_dense(value), self.dtype)
-        self.value = _WRITES[method](self.value, value)
-
-
-_WRITES = {"assign": lambda old, new: new, "assign_add": tf.add, "assign_sub": tf.subtract}
-
-
-def _dense(value):
-    return tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value
-
-
-class _CompactState:
+class _CompactState(_compat.SlotsOfStandIns):
     """Mixed into a Keras optimizer class: its large slots become :class:`CompactSlot`."""
 
     def __init__(self, *args, compact_dtype: str = "int8", block_size: int = 2048, min_size: int = 4096, **kwargs):
@@ -343,13 +56,13 @@ class _CompactState:
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         path = getattr(reference_variable, "path", reference_variable.name)
         slot = CompactSlot(self, reference_variable, f"{path.replace('/', '_')}_{name or 'var'}", initializer)
-        self._slots_of.setdefault(self._var_key(reference_variable), []).append(slot)
+        self._slots_of.setdefault(_compat.variable_key(self, reference_variable), []).append(slot)
         return slot
 
-    def _add_storage(self, reference, name, shape, dtype, initializer):
-        # Next to the weight it describes, as Keras places its own slots.
+    def add_storage(self, reference, name, shape, dtype, initializer):
+        """A variable of a compact slot's storage, next to the weight it describes (as Keras places slots)."""
         colocate = reference.value if isinstance(reference, keras.Variable) else reference
-        with self._distribution_strategy.extended.colocate_vars_with(colocate):
+        with _compat.optimizer_strategy(self).extended.colocate_vars_with(colocate):
             return self.add_variable(shape=shape, initializer=initializer, dtype=dtype, name=name)
 
     def apply(self, grads, trainable_variables=None):
@@ -376,11 +89,11 @@ class _CompactState:
         rows Keras treats its own way; Adafactor, Lamb) run whole, op by op,
         one after another. Each runs after its gradient exists.
         """
-        slots = self._slots_of.get(self._var_key(variable))
+        slots = self._slots_of.get(_compat.variable_key(self, variable))
         if not slots:
             return super().update_step(gradient, variable, learning_rate)
         learning_rate = tf.convert_to_tensor(learning_rate)
-        if isinstance(gradient, tf.IndexedSlices) or self._base not in ELEMENTWISE:
+        if isinstance(gradient, tf.IndexedSlices) or self._base not in optimizers.ELEMENTWISE:
             with self._after_previous(gradient, variable):
                 stored = [slot.read() for slot in slots]
             # In place on the variable (Keras's scatter of rows), the slots written once.
@@ -411,7 +124,7 @@ class _CompactState:
                 slot.forget()
 
     def _compiled_update(self, variable, slots, in_place: bool):
-        key = (self._var_key(variable), in_place)
+        key = (_compat.variable_key(self, variable), in_place)
         if key not in self._compiled:
 
             def update(gradient, value, learning_rate, stored):
@@ -444,7 +157,7 @@ class _CompactState:
         """
         size = math.prod(variable.shape)
         if size <= PART_ELEMENTS:
-            target = _Part(variable, value)
+            target = Part(variable, value)
             stored = self._update(gradient, target, learning_rate, slots, stored)
             return target.value, stored
         # A densified embedding gradient has no static shape: the variable's is its own.
@@ -453,12 +166,12 @@ class _CompactState:
         part = max(self.block_size, PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
 
         def one(start, length, new_value, new_stored):
-            target = _Part(variable, tf.slice(new_value, [start], [length]))
+            target = Part(variable, tf.slice(new_value, [start], [length]))
             pieces = [slot.slice(s, start, length) for slot, s in zip(slots, stored)]
             piece_gradient = tf.slice(gradient, [start], [length])
             pieces = self._update(piece_gradient, target, learning_rate, slots, pieces, (length,))
             new_stored = [slot.place(s, p, start) for slot, s, p in zip(slots, new_stored, pieces)]
-            return _place(new_value, target.value, [start]), new_stored
+            return place(new_value, target.value, [start]), new_stored
 
         def body(i, new_value, new_stored):
             return (i + 1, *one(i * part, part, new_value, new_stored))
@@ -497,9 +210,6 @@ class _CompactState:
     def _device(variable) -> str:
         return getattr(variable, "device", "") or ""
 
-    def _get_variable_index(self, variable):
-        return super()._get_variable_index(variable.parent if isinstance(variable, _Part) else variable)
-
     def assign(self, variable, value):
         return self._write("assign", variable, value)
 
@@ -513,7 +223,7 @@ class _CompactState:
         """Keras's ``assign*``, routed to the new value of a weight or the compact slot it names."""
         if isinstance(variable, CompactSlot):
             return getattr(variable, method)(value)
-        if isinstance(variable, _Part):
+        if isinstance(variable, Part):
             return variable.write(method, value)
         return getattr(super(), method)(variable, value)
 
@@ -541,7 +251,7 @@ def _compact_class(base):
     return keras.saving.register_keras_serializable(package="effgrad", name=name)(cls)
 
 
-_CLASSES = {base: _compact_class(base) for base in SUPPORTED}
+_CLASSES = {base: _compact_class(base) for base in optimizers.PER_VARIABLE}
 
 
 def compact_state(
@@ -594,7 +304,7 @@ def compact_state(
     if isinstance(optimizer, _CompactState):
         raise TypeError(f"{type(optimizer).__name__} already keeps compact state.")
     if type(optimizer) not in _CLASSES:
-        names = ", ".join(base.__name__ for base in SUPPORTED)
+        names = ", ".join(base.__name__ for base in optimizers.PER_VARIABLE)
         raise TypeError(
             f"compact_state supports Keras's per-variable optimizers ({names}), got "
             f"{type(optimizer).__name__}: its update may use its state in ways effgrad cannot compress."
