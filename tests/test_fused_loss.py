@@ -11,6 +11,7 @@ import tensorflow as tf
 import effgrad
 from conftest import assert_variables_close
 from effgrad.train import fused_loss
+from effgrad.train.fused_loss import kernel as fused_kernel
 from helpers import in_fresh_processes, tiny_gpt2_lm
 from test_checkpoint import count_calls
 
@@ -118,7 +119,7 @@ def _lm_batch(rng):
 )
 def test_step_with_the_fused_loss_equals_the_unfused_step(rng, monkeypatch, model, jit_compile, micro_batches, caplog):
     # Chunks of 16 classes: the first one alone, the loop, a shorter last one (50 and 300 classes).
-    monkeypatch.setattr(effgrad.train.fused_loss, "_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(fused_kernel, "_VOCAB_CHUNK", 16)
     if model == "gpt2":
         make, (x, y, w) = tiny_gpt2_lm, _lm_batch(rng)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=7)  # padding masks too
@@ -148,7 +149,7 @@ def test_a_checkpointed_lm_fuses_its_loss_and_recomputes_its_backbone(rng, monke
     # checkpoint_model cuts the task model inside its backbone and leaves the tied projection
     # outside the segments: the fused loss finds it, and the step equals the plain unfused one.
     # The segment's dense embedding gradient is the kernel's buffer, written in chunks of 16 classes.
-    monkeypatch.setattr(effgrad.train.fused_loss, "_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(fused_kernel, "_VOCAB_CHUNK", 16)
     (x, y, w), loss = _lm_batch(rng), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     results = []
     for checkpointed in (True, False):
@@ -221,7 +222,7 @@ def test_auto_says_why_it_does_not_apply_and_true_refuses(rng, caplog):
 def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projection_inputs(
     rng, monkeypatch, rows, fused
 ):
-    monkeypatch.setattr(effgrad.train.fused_loss, "CHUNK_ELEMENTS", 1000)  # these logits fill several chunks
+    monkeypatch.setattr(fused_kernel, "CHUNK_ELEMENTS", 1000)  # these logits fill several chunks
     net = _classifier()  # the head projects 16 features: fused from 65 rows
     x, y = rng.normal(size=(rows, 12)).astype("float32"), rng.integers(0, 300, rows)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -266,7 +267,7 @@ def test_attach_fuses_with_accuracy_and_top_k_metrics_equal_to_stock_keras(rng, 
 
 
 def test_a_metric_that_reads_the_logits_keeps_the_loss_unfused_and_says_so(rng, monkeypatch):
-    monkeypatch.setattr(effgrad.train.fused_loss, "CHUNK_ELEMENTS", 1000)  # "auto" would fuse these 80 rows
+    monkeypatch.setattr(fused_kernel, "CHUNK_ELEMENTS", 1000)  # "auto" would fuse these 80 rows
     x, y = rng.normal(size=(80, 12)).astype("float32"), rng.integers(0, 300, 80)
     ours = _classifier()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -289,13 +290,11 @@ def test_a_metric_that_reads_the_logits_keeps_the_loss_unfused_and_says_so(rng, 
 
 def test_ranks_count_ties_as_keras_argmax_and_in_top_k_do():
     """Tied logits (duplicate kernel columns) and labels outside the vocabulary (an ignored class)."""
-    from effgrad.train import fused_loss
-
     hidden = tf.constant(np.random.default_rng(0).normal(size=(40, 8)), tf.float32)
     columns = np.random.default_rng(1).normal(size=(8, 6))
     kernel = tf.constant(np.concatenate([columns, columns[:, :4]], axis=1), tf.float32)  # classes 6-9 copy 0-3
     labels = tf.constant(np.random.default_rng(2).integers(-1, 10, 40), tf.int32)  # -1: outside [0, 10)
-    _, ranks = fused_loss._cross_entropy(hidden, kernel, labels, None, False, None, -1, 7, True)
+    _, ranks = fused_kernel.cross_entropy(hidden, kernel, labels, None, False, None, -1, 7, True)
     logits = hidden @ kernel
     accuracy = keras.metrics.sparse_categorical_accuracy(labels, logits).numpy()
     np.testing.assert_array_equal((ranks[:, 0] == 0) & (ranks[:, 1] == 0), accuracy == 1)
@@ -441,7 +440,7 @@ def test_the_logits_are_never_made():
 def test_the_graph_does_not_grow_with_the_vocabulary(monkeypatch):
     """The class chunks are a loop, not unrolled: a bigger vocabulary is the same graph (at GPT-2's
     13 chunks, unrolled, a step's trace took 3.0 s against 1.7)."""
-    monkeypatch.setattr(effgrad.train.fused_loss, "_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(fused_kernel, "_VOCAB_CHUNK", 16)
 
     def nodes(vocabulary):
         hidden, labels = tf.zeros([6, 8]), tf.zeros([6], tf.int32)

@@ -1,60 +1,19 @@
-"""Cross-entropy over a large vocabulary without ever holding the ``[rows, vocabulary]`` logits.
+"""The fused kernel: ``SparseCategoricalCrossentropy(from_logits=True)`` of a projection, in chunks.
 
-A language model's last layer projects each position's hidden state ``h``
-(``d`` numbers) onto the vocabulary (``V`` numbers, 50,257 for GPT-2), and the
-loss is a softmax cross-entropy over those logits. Computed plainly, the
-logits of a batch (``rows = batch * T``) are one ``[rows, V]`` float32 tensor
-(393 MiB at batch 8, T=256 for GPT-2's vocabulary) and backprop holds about
-two more of its size. Fused, in chunks of rows (Cut Cross-Entropy, Wijmans et
-al. 2025; Liger's fused linear cross-entropy)::
-
-    forward, per chunk c of rows and     z = h_c @ W_j (+ b_j) (soft-capped: cap * tanh(z / cap))
-    j of 4,096 classes:                  running max m_c and sum s_c of exp(z - m_c): the logsumexp
-                                         a_c: the running sum of exp(z - m_c) @ W_j^T, rescaled as m_c grows
-                                         keep lse_c = m_c + log s_c (one number per row) and
-                                         g_c = a_c / s_c - W[label_c] (d loss_c / d h_c: [rows, d]); drop z
-    backward:                            dh_c = dloss_c * g_c
-    W's gradient, per chunk j of         z recomputed;  dz = (exp(z_cj - lse_c) - onehot(label)) * dloss_c
-    4,096 classes and c of rows:         dW_j += h_c^T @ dz;  db_j += sum(dz); each dW_j written in place
-
-Only one chunk's logits (16 MiB of float32 by default) exist at a time (with
-rank metrics the forward chunks hold all classes of fewer rows: a rank needs
-the label's logit before the others are counted), and
-the kernel's gradient is summed per class chunk in a small buffer (summing
-whole kernel-sized gradients over row chunks would keep three of them
-alive). The loss and every gradient equal the plain computation's (the
-chunks run in float32 whatever the compute dtype). Four matmuls of the
-head's size, where the plain loss does three: the logits are made twice.
-
-Because the hidden states' gradient is made in the forward pass (an online
-softmax, as flash attention's), the kernel's gradient needs nothing from
-backprop but ``dloss`` (a number per row), so it can wait: inside
-:func:`kernel_gradients_later` (the train step's backprop) it is made after
-the backward pass of the whole model under the head, instead of being held
-through it (49 MiB at GPT-2's vocabulary, where that backward pass peaks).
-
-Trap:
-    The saving is in the loss, not the model: anything else that reads the
-    logits needs them. Compiled accuracy and top-k metrics (``attach``) are
-    computed from the chunks (each position's rank among the classes);
-    with any other compiled metric the step does not fuse and warns, rather
-    than report a metric computed on something else.
+See :mod:`effgrad.train.fused_loss` for the algorithm and its traps.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
-import threading
-import warnings
+import math  # noqa: F401
 
 import keras
 import tensorflow as tf
 
-from effgrad import _compat, _proof
+from effgrad import _compat
+from effgrad.train.fused_loss import deferred
 
-__all__ = ["fused_sparse_cross_entropy", "Head", "find_head", "decide", "readers_of_logits", "kernel_gradients_later"]
+__all__ = ["fused_sparse_cross_entropy", "cross_entropy", "CHUNK_ELEMENTS"]
 
 # Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
 CHUNK_ELEMENTS = 2**22
@@ -115,11 +74,11 @@ def fused_sparse_cross_entropy(
     """
     if not from_logits:
         raise ValueError("fused_sparse_cross_entropy computes the softmax itself: it needs from_logits=True.")
-    losses, _ = _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, False)
+    losses, _ = cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, False)
     return losses
 
 
-def _cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, ranks: bool):
+def cross_entropy(hidden, kernel, labels, bias, transposed, soft_cap, ignore_class, chunk_rows, ranks: bool):
     """``(losses, ranks or None)``: :func:`fused_sparse_cross_entropy`, and with ``ranks`` each
     position's ``[2]`` float32 ``(classes whose logit beats the label's, classes tying it with a
     smaller id)``; a label outside ``[0, V)`` counts every class as beating it.
@@ -185,55 +144,6 @@ def _checked(labels, hidden, given, vocabulary: int):
             return tf.identity(labels), hidden
     poison = tf.where(in_range, 0.0, float("nan"))
     return labels, hidden + tf.cast(poison, hidden.dtype)[:, None]
-
-
-_deferred = threading.local()
-
-
-def _later() -> list | None:
-    return getattr(_deferred, "pending", None)
-
-
-@contextlib.contextmanager
-def kernel_gradients_later(variables):
-    """Inside, the fused loss's backprop leaves the projection's weight gradients for afterwards.
-
-    Yields ``finish(grads) -> grads``: call it with ``tape.gradient(target,
-    variables)`` (made inside the block); it makes the kernel's and the bias's
-    gradients once every other gradient exists and adds them in.
-
-    Why: backprop meets the loss first, so the kernel's gradient (``d x V``,
-    49 MiB at GPT-2's vocabulary) would otherwise be alive through the whole
-    backward pass of the model under it, where the peak is. Made last, from
-    the rows' ``logsumexp`` and upstream gradients (a few numbers per row), it
-    costs the same matmuls: the forward pass already made the hidden states'
-    gradient. An embedding tied to the kernel gets its lookup gradient
-    (IndexedSlices, or dense from a checkpointed segment) added into that
-    buffer chunk by chunk.
-    """
-    pending: list = []
-    outer, _deferred.pending = _later(), pending  # per thread: MirroredStrategy traces replicas in threads
-    variables = list(variables)
-
-    def finish(grads):
-        grads = list(grads)
-        made = [t for g in grads if g is not None for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))]
-        for owners, weights in pending:
-            where = [next((i for i, v in enumerate(variables) if v is o), None) for o in owners]
-            if all(i is None for i in where):  # a frozen projection: no gradient wanted
-                continue
-            with tf.control_dependencies(made):  # after the rest of backprop: not alive through it
-                made_here = weights([None if i is None else grads[i] for i in where])
-            for i, owner, gradient in zip(where, owners, made_here):
-                if i is not None:
-                    grads[i] = tf.cast(gradient, owner.dtype)
-        pending.clear()
-        return grads
-
-    try:
-        yield finish
-    finally:
-        _deferred.pending = outer
 
 
 def _classes(w, b, start, width: int, transposed: bool, has_bias: bool):
@@ -435,7 +345,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             if valid is not None:
                 d_loss = tf.where(valid, d_loss, 0.0)
             dh = tf.cast(d_loss[:, None] * d_hidden, h.dtype)
-            later = _later()
+            later = deferred.pending()
             if later is not None and all(o is not None for o in owners[: 1 + has_bias]):
 
                 def weights(others):
@@ -557,195 +467,3 @@ def _part(gradient, start, width: int, class_axis: int, like):
     rank = gradient.shape.rank
     begin = tf.stack([start if a == class_axis else 0 for a in range(rank)])
     return tf.slice(gradient, begin, [width if a == class_axis else -1 for a in range(rank)])
-
-
-def readers_of_logits(on_micro_batch, y=None, logits=None) -> list[str]:
-    """What in ``on_micro_batch`` needs the logits themselves: ``[]`` when nothing does.
-
-    A callback computable from each position's rank (compiled accuracy and
-    top-k metrics: ``attach``'s ``CompiledMetrics``) has
-    ``readers_of_logits(y, logits)`` (``logits``: a ``keras.KerasTensor``
-    with their shape, to resolve metrics such as ``"accuracy"``) and
-    ``update_from_ranks(y, ranks, sample_weight, mask)``; any other callback
-    reads ``y_pred``.
-    """
-    if on_micro_batch is None:
-        return []
-    readers = getattr(on_micro_batch, "readers_of_logits", None)
-    return ["given to on_micro_batch"] if readers is None else readers(y, logits)
-
-
-@dataclasses.dataclass(frozen=True)
-class Head:
-    """A model's final projection, found by :func:`find_head`: the step computes its loss fused.
-
-    Attributes:
-        trunk: A ``keras.Model`` from the model's inputs to the projection's
-            input (the same layers and variables).
-        layer: The projection layer.
-        transposed: Its kernel is ``[V, d]`` (a tied embedding).
-        soft_cap: Logit soft-capping, if the layer applies it.
-    """
-
-    trunk: keras.Model
-    layer: keras.layers.Layer
-    transposed: bool
-    soft_cap: float | None
-
-    @property
-    def sizes(self) -> tuple[int, int]:
-        """``(d, V)``: the projection's inputs and classes."""
-        shape = self.kernel().shape
-        return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
-
-    def positions(self, hint: tuple[int, int]) -> int:
-        """Rows of the logits of a batch of ``batch_shape`` ``hint`` (``(rows, largest other axis)``)."""
-        return hint[0] * math.prod(hint[1] if d is None else d for d in self.trunk.output.shape[1:-1])
-
-    def kernel(self):
-        layer = self.layer
-        if isinstance(layer, keras.layers.Dense):
-            return layer.kernel
-        return layer.embeddings if layer.tie_weights else layer.reverse_embeddings
-
-    def bias(self):
-        return getattr(self.layer, "bias", None) if isinstance(self.layer, keras.layers.Dense) else None
-
-    def losses(self, hidden, labels, ignore_class=None, ranks: bool = False):
-        """``(per-position losses, ranks or None)`` of ``labels`` against the projection of ``hidden``.
-
-        ``ranks``: each position's two counts for accuracy and top-k metrics (see ``_cross_entropy``).
-        """
-        return _cross_entropy(
-            hidden, self.kernel(), labels, self.bias(), self.transposed, self.soft_cap, ignore_class, None, ranks
-        )
-
-
-def find_head(model) -> Head | str:
-    """The model's final projection as a :class:`Head`, or why there is none (a sentence).
-
-    Applies to a functional model (keras_hub task models included) with one
-    output made by a linear ``Dense`` or by keras_hub's ``ReversibleEmbedding``
-    called with ``reverse=True``.
-    """
-    parts = _compat.functional_graph(model)
-    if parts is None:
-        return f"{type(model).__name__} is not a functional model, so its last layer cannot be split off"
-    _, inputs_struct, outputs = parts
-    outputs = keras.tree.flatten(outputs)
-    if len(outputs) != 1:
-        return f"the model has {len(outputs)} outputs"
-    layer, node = _compat.producer(outputs[0])
-    if isinstance(layer, keras.layers.Dense):
-        if why := _proof.stands_in_for(layer, keras.layers.Dense, _LAYER_CODE):
-            return f"its last layer {layer.name!r} is not Keras's Dense as such: {why}"
-        if layer.activation not in (None, keras.activations.linear) or getattr(layer, "lora_enabled", False):
-            return f"its last layer {layer.name!r} applies an activation (the loss needs the logits)"
-        if len(layer.kernel.shape) != 2:
-            return f"its last layer {layer.name!r} has a kernel that is not 2-D"
-        transposed, soft_cap = False, None
-    elif isinstance(layer, keras.layers.ReversibleEmbedding) and node.kwargs.get("reverse"):
-        # keras_hub's ReversibleEmbedding subclasses Keras's, inheriting its code.
-        if why := _proof.stands_in_for(layer, keras.layers.ReversibleEmbedding, _LAYER_CODE):
-            return f"its last layer {layer.name!r} is not Keras's ReversibleEmbedding as such: {why}"
-        if getattr(layer, "reverse_dtype", None):
-            return f"its last layer {layer.name!r} projects in another dtype"
-        transposed, soft_cap = bool(layer.tie_weights), layer.logit_soft_cap
-    else:
-        return f"its last layer {layer.name!r} is a {type(layer).__name__}, not a Dense or a reversed embedding"
-    if getattr(layer, "quantization_mode", None) or layer.activity_regularizer is not None:
-        return f"its last layer {layer.name!r} is quantized or adds an activity regularization loss"
-    inputs = node.inputs
-    if len(inputs) != 1:
-        return f"its last layer {layer.name!r} takes {len(inputs)} inputs"
-    trunk = keras.Model(inputs_struct, inputs[0], name=f"{model.name}_trunk")
-    return Head(trunk=trunk, layer=layer, transposed=transposed, soft_cap=soft_cap)
-
-
-# What the fused computation reimplements of the layer and the loss: a subclass must inherit these.
-_LAYER_CODE = ("call", "__call__", "compute_output_spec", "quantized_call")
-_LOSS_CODE = ("call", "__call__")
-
-
-def not_the_loss(loss) -> str | None:
-    """``None`` when ``loss`` is Keras's ``SparseCategoricalCrossentropy(from_logits=True)`` over the last
-    axis, running its own code (what the chunks compute); else why not, a sentence."""
-    if loss is None:
-        return "the loss has several terms or loss weights"
-    described = repr(loss) if isinstance(loss, str) else type(loss).__name__
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)  # a name: Keras's default arguments (from_logits=False)
-    sparse = keras.losses.SparseCategoricalCrossentropy
-    if not isinstance(loss, sparse):
-        return f"the loss {described} is not SparseCategoricalCrossentropy(from_logits=True)"
-    if why := _proof.stands_in_for(loss, sparse, _LOSS_CODE):
-        return f"the loss is not Keras's own SparseCategoricalCrossentropy: {why}"
-    if loss.fn is not keras.losses.sparse_categorical_crossentropy:
-        return f"the loss computes {getattr(loss.fn, '__name__', loss.fn)!r}, not the sparse cross-entropy"
-    arguments = _compat.loss_function_arguments(loss)
-    if not arguments.get("from_logits") or arguments.get("axis", -1) != -1:
-        return f"the loss is {described}({arguments}), not from_logits=True over the last axis"
-    return None
-
-
-def decide(
-    options, objective, model, hint: tuple[int, int] | None, *, private: bool = False, y=None
-) -> tuple[Head | None, str]:
-    """``(head to fuse the loss with, or None; one sentence saying why or why not)``.
-
-    Chunks hold one kernel-sized buffer (the kernel's gradient) and one chunk's logits where the
-    plain loss holds two or three logits-sized ones, for a third more of the head's matmuls: "auto"
-    fuses when a batch has more than ``4 d`` positions (``d`` = the projection's input size) and
-    its logits do not fit in one chunk. Measured at 512 rows, d = 256: 0.97x the unfused peak at
-    1.20x its time; GPT-2 at 2,048 positions: 0.49x. ``fused_loss=True`` raises where it cannot apply.
-    """
-    option, why_not, head = options.fused_loss, None, None
-    loss = objective.single
-    if option is False:
-        why_not = "fused_loss=False"
-    elif private:
-        why_not = "per_example_clip needs the gradient of the logits to take each example's norm"
-    elif why := not_the_loss(loss):
-        why_not = why
-    else:
-        head = find_head(model)
-        if isinstance(head, str):
-            head, why_not = None, head
-        elif option == "auto" and hint is not None:
-            depth, classes = head.sizes
-            positions = head.positions(hint)
-            if positions * classes <= CHUNK_ELEMENTS:
-                why_not = (
-                    f"the batch's logits ({positions:,} x {classes:,}) fit in one chunk: nothing to save; "
-                    "fused_loss=True forces it"
-                )
-            elif positions <= 4 * depth:
-                why_not = (
-                    f"a batch of {positions:,} positions is too few next to the projection's "
-                    f"{depth:,} inputs for chunks to save memory (from {4 * depth + 1:,}); "
-                    "fused_loss=True forces it"
-                )
-    readers = []
-    if why_not is None:
-        logits = keras.KerasTensor((*head.trunk.output.shape[:-1], head.sizes[1]), dtype=head.layer.compute_dtype)
-        readers = readers_of_logits(options.on_micro_batch, y, logits)
-    if readers:
-        why_not = (
-            f"the metrics {', '.join(readers)} read the logits of every micro-batch (accuracy and top-k "
-            "metrics are computed from the chunks; compile without the others to fuse)"
-        )
-        if option == "auto":  # the memory the user expected is not saved: say so where it will be seen
-            warnings.warn(
-                f"effgrad: the loss is not fused with {head.layer.name!r}, so every batch's logits are made: "
-                f"{why_not}.",
-                UserWarning,
-                stacklevel=4,
-            )
-    if why_not is not None:
-        if option is True:
-            raise ValueError(f"fused_loss=True cannot apply: {why_not}.")
-        return None, f"fused loss not used: {why_not}."
-    return head, (
-        f"fused loss: {head.layer.name} ({head.sizes[1]:,} classes) and the cross-entropy computed in "
-        "chunks of rows; the logits are never made."
-    )
