@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import effgrad
-from effgrad.tools.memory import device_memory_bytes, format_bytes, parse_budget
+from effgrad.memory import device_memory_bytes, format_bytes, parse_budget
 
 
 def test_budgets_as_sizes_bytes_and_fractions_strings_included():

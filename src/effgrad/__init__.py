@@ -30,6 +30,8 @@ _allocator_statistics_on()
 # needs none of it: it answers at once instead of loading TensorFlow (7-9 s).
 if not _quiet.answering_help():
     with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
+        from effgrad import diagnostics, memory, privacy
+        from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.remat.checkpointing import (
             Checkpoint,
@@ -38,8 +40,6 @@ if not _quiet.answering_help():
             checkpoint_model,
             checkpoint_sequential,
         )
-        from effgrad.tools import diagnostics, memory, privacy
-        from effgrad.tools.diagnostics import MemoryMonitor
         from effgrad.train.builder import build_train_step
         from effgrad.train.compact import compact_state
         from effgrad.train.fit import attach

@@ -25,8 +25,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
-from effgrad.tools import memory
+from effgrad import _compat, memory
 from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib

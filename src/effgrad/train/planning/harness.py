@@ -26,9 +26,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from effgrad import model_graph
+from effgrad import memory, model_graph
 from effgrad.remat.checkpointing import checkpoint_model
-from effgrad.tools import memory
 from effgrad.train.options import StepOptions
 from effgrad.train.planning.search import Calls, Config
 from effgrad.train.step import TrainStep

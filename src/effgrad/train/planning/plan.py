@@ -28,14 +28,14 @@ import warnings
 import keras
 import tensorflow as tf
 
-from effgrad.tools import memory
-from effgrad.tools.memory import format_bytes
+from effgrad import memory
+from effgrad.memory import format_bytes
 from effgrad.train import accumulate, fused_update
 from effgrad.train.options import StepOptions
 from effgrad.train.planning import harness as harness_lib
 from effgrad.train.planning.search import Calibration, Candidate, Limits, Outcome, search
 
-__all__ = ["MemoryPlan", "plan", "make_plan"]
+__all__ = ["MemoryPlan", "plan", "make_plan", "floor_parts"]
 
 
 @dataclasses.dataclass
@@ -170,21 +170,10 @@ def make_plan(
         raise ValueError(f"margin must be in [0, 1), got {margin}.")
     if not getattr(model, "built", False):
         raise ValueError("plan() needs a built model: call it once on a batch, or build it, first.")
-    state_bytes = max(
-        harness_lib.build_optimizer(optimizer, model, options.strategy), harness_lib.nbytes(optimizer.variables)
-    )
-    gradients = [4 * int(v.shape.num_elements()) for v in model.trainable_variables]
-    batch_bytes = sum(getattr(a, "nbytes", 0) for a in tf.nest.flatten(batch) if a is not None)
+    parts = floor_parts(model, optimizer, batch, options)
+    state_bytes, floor = parts["optimizer state"], sum(parts.values())
     replicas = (options.strategy or tf.distribute.get_strategy()).num_replicas_in_sync
-    inside = options.fused_update is not False and not options.private and not fused_update.why_not(replicas, optimizer)
-    parts = {
-        "weights": harness_lib.nbytes(model.variables),
-        "optimizer state": state_bytes,
-        "the batch": batch_bytes,
-        "one gradient" if inside else "every gradient": max(gradients) if inside else sum(gradients),
-    }
-    floor = sum(parts.values())
-    reserve = max(int(margin / 2 * budget), max(gradients))
+    reserve = max(int(margin / 2 * budget), max(4 * int(v.shape.num_elements()) for v in model.trainable_variables))
     limits = Limits(budget, budget - reserve, int(budget - reserve - margin / 2 * budget))
     if floor > limits.limit:
         breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
@@ -254,6 +243,24 @@ def make_plan(
         model=harness.model_for(chosen.config.segments),
         accumulators=kept,
     )
+
+
+def floor_parts(model, optimizer, batch, options: StepOptions) -> dict[str, int]:
+    """What no configuration goes below, by part, counted from shapes (the optimizer built first, its state
+    counted as the allocator holds it): weights, optimizer state, the batch, and one gradient where updates
+    can run inside backward, else every gradient."""
+    state = max(
+        harness_lib.build_optimizer(optimizer, model, options.strategy), harness_lib.nbytes(optimizer.variables)
+    )
+    gradients = [4 * int(v.shape.num_elements()) for v in model.trainable_variables]
+    replicas = (options.strategy or tf.distribute.get_strategy()).num_replicas_in_sync
+    inside = options.fused_update is not False and not options.private and not fused_update.why_not(replicas, optimizer)
+    return {
+        "weights": harness_lib.nbytes(model.variables),
+        "optimizer state": state,
+        "the batch": sum(getattr(a, "nbytes", 0) for a in tf.nest.flatten(batch) if a is not None),
+        "one gradient" if inside else "every gradient": max(gradients) if inside else sum(gradients),
+    }
 
 
 def _say(line: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from effgrad.tools import memory
+from effgrad import memory
 from effgrad.train.options import StepOptions
 from effgrad.train.planning.plan import MemoryPlan, make_plan
 from effgrad.train.step import TrainStep

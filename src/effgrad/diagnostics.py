@@ -27,8 +27,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
-from effgrad.tools import memory
+from effgrad import _compat, memory
 
 __all__ = ["MemoryMonitor", "host_rss_mib", "plot_history"]
 

@@ -1,1 +1,0 @@
-"""Tools around training: device memory (measuring, budgets), diagnostics, privacy accounting."""
