@@ -24,9 +24,9 @@ the block's probabilities are recomputed from ``lse`` (``p = exp(s - lse)``)::
 Causal: a key block entirely above the diagonal is never visited (the loop
 bounds end before it). With a mask, a block whose mask is all False is
 skipped at run time (``tf.cond``): a causal mask built by the model gets the
-same saving. Dropout's keep mask of block ``(i, j)`` is drawn from a
-stateless Philox generator keyed by ``fold_in(seed, i * nk + j)``, so the
-backward pass redraws exactly the forward's.
+same saving. Dropout's keep mask of block ``(i, j)`` is a counter-based hash
+of (seed, block, position), so the backward pass redraws exactly the
+forward's, in eager, graph and XLA alike.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ class Plan:
         if not self.causal:
             return tf.constant(self.nk)
         return tf.minimum(self.nk, ((i + 1) * self.bq - 1) // self.bk + 1)
+
+    @property
+    def seen_key_blocks(self) -> int:
+        """Key blocks any query sees (causal with S > T: the last ones are seen by none)."""
+        return min(self.nk, ((self.nq * self.bq - 1) // self.bk) + 1) if self.causal else self.nk
 
     def first_query_block(self, j):
         """The first query block that sees key block ``j``."""
@@ -140,7 +145,7 @@ def mask_blocks(mask, plan: Plan):
 class _Block:
     """What block ``(i, j)`` needs: its allowed entries, dropout keep mask, and whether any entry is live."""
 
-    def __init__(self, plan: Plan, mask, seed, i, j, batch):
+    def __init__(self, plan: Plan, mask, seed, positions, i, j):
         self.plan = plan
         rows = i * plan.bq + tf.range(plan.bq)
         cols = j * plan.bk + tf.range(plan.bk)
@@ -163,7 +168,7 @@ class _Block:
         self.allowed = allowed
         self.keep = None
         if plan.rate > 0.0:
-            self.keep = keep_block(plan, seed, i, j, batch)
+            self.keep = keep_block(plan, seed, positions, i, j)
 
     def scores(self, q, k):
         """``(s, t)``: masked scores (-inf where not allowed) and ``tanh`` of the soft cap (or None)."""
@@ -185,18 +190,44 @@ class _Block:
         return tf.where(self.keep, x / (1.0 - self.plan.rate), 0.0)
 
 
-def keep_block(plan: Plan, seed, i, j, batch):
-    """Dropout's keep mask of block ``(i, j)``: ``[B, Hk, G * bq, bk]``, the same bits forward and backward."""
-    block_seed = tf.random.experimental.stateless_fold_in(seed, i * plan.nk + j, alg="philox")
-    shape = tf.stack([batch, plan.kv_heads, plan.groups * plan.bq, plan.bk])
-    return tf.random.stateless_uniform(shape, block_seed, alg="philox") >= plan.rate
+def _mix(x):
+    """lowbias32 (C. Wellons): a 32-bit integer hash with full avalanche, in uint32 arithmetic."""
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+    x = x * tf.constant(0x7FEB352D, tf.uint32)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(15, tf.uint32)))
+    x = x * tf.constant(0x846CA68B, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def positions(plan: Plan, batch):
+    """``[B, Hk, G * bq, bk]``: each entry's hashed index within a block (made once, outside the loops:
+    inside them XLA needs every shape to be a compile-time constant)."""
+    per_row = plan.kv_heads * plan.groups * plan.bq * plan.bk
+    index = _mix(tf.cast(tf.range(batch * per_row), tf.uint32))
+    return tf.reshape(index, tf.stack([batch, plan.kv_heads, plan.groups * plan.bq, plan.bk]))
+
+
+def keep_block(plan: Plan, seed, positions, i, j):
+    """Dropout's keep mask of block ``(i, j)``: ``[B, Hk, G * bq, bk]``, the same bits forward and backward.
+
+    A counter-based hash of (seed, block, position), not ``tf.random.stateless_uniform``: TensorFlow's
+    stateless Philox draws other bits under XLA than in a graph (measured on 2.21), and the mask must not
+    depend on how the step is compiled.
+    """
+    seed = tf.cast(seed, tf.uint32)
+    block = tf.cast(i * plan.nk + j, tf.uint32)
+    key = _mix(tf.bitwise.bitwise_xor(seed[0], _mix(tf.bitwise.bitwise_xor(seed[1], _mix(block)))))
+    bits = _mix(tf.bitwise.bitwise_xor(positions, key))
+    uniform = tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * 2.0**-24
+    return uniform >= plan.rate
 
 
 def keep_mask(plan: Plan, seed, batch):
     """The whole keep mask ``[B, H, T, S]`` the kernel draws (for tests and debugging: it is T x S)."""
+    grid = positions(plan, batch)
     rows = []
     for i in range(plan.nq):
-        blocks = [keep_block(plan, seed, i, j, batch) for j in range(plan.nk)]
+        blocks = [keep_block(plan, seed, grid, i, j) for j in range(plan.nk)]
         rows.append(tf.concat(blocks, axis=-1))
     keep = tf.stack(rows)  # [nq, B, Hk, G*bq, nk*bk]
     keep = tf.reshape(keep, [plan.nq, batch, plan.kv_heads, plan.groups, plan.bq, plan.nk * plan.bk])
@@ -221,13 +252,21 @@ def forward(q, k, v, mask, seed, plan: Plan):
     batch = tf.shape(q)[0]
     qb, kb, vb = query_blocks(q, plan), key_blocks(k, plan), key_blocks(v, plan)
     rows = plan.groups * plan.bq
+    # Every shape is made here, outside the loops (inside them XLA needs compile-time constants).
     stats_shape = tf.stack([batch, plan.kv_heads, rows])
+    start = (
+        tf.constant(0),
+        tf.fill(stats_shape, tf.constant(-math.inf, plan.dtype)),
+        tf.zeros(stats_shape, plan.dtype),
+        tf.zeros(tf.concat([stats_shape, [plan.value_depth]], 0), plan.dtype),
+    )
+    grid = positions(plan, batch) if plan.rate > 0.0 else None
 
     def query_block(i, out, lses, seens):
         qi = tf.cast(tf.gather(qb, i), plan.dtype)
 
         def key_block(j, m, total, acc):
-            block = _Block(plan, mask, seed, i, j, batch)
+            block = _Block(plan, mask, seed, grid, i, j)
 
             def update(m, total, acc):
                 s, _ = block.scores(qi, tf.cast(tf.gather(kb, j), plan.dtype))
@@ -241,12 +280,6 @@ def forward(q, k, v, mask, seed, plan: Plan):
 
             return (j + 1, *_gated(block, update, (m, total, acc)))
 
-        start = (
-            tf.constant(0),
-            tf.fill(stats_shape, tf.constant(-math.inf, plan.dtype)),
-            tf.zeros(stats_shape, plan.dtype),
-            tf.zeros(tf.concat([stats_shape, [plan.value_depth]], 0), plan.dtype),
-        )
         end = plan.last_key_block(i)
         _, m, total, acc = tf.while_loop(lambda j, *_: j < end, key_block, start, parallel_iterations=1)
         seen = total > 0.0
@@ -282,15 +315,18 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
     dob = query_blocks(tf.cast(do, plan.dtype), plan)
     delta = tf.reduce_sum(dob * query_blocks(tf.cast(o, plan.dtype), plan), axis=-1)  # rowsum(do * o)
     rows = plan.groups * plan.bq
-    row_shape = [None, plan.kv_heads, rows, plan.depth]
+    row_shape = [q.shape[0], plan.kv_heads, rows, plan.depth]
     zeros_q = tf.zeros(tf.stack([batch, plan.kv_heads, rows, plan.depth]), plan.dtype)
+    zeros_k = tf.zeros(tf.stack([batch, plan.kv_heads, plan.bk, plan.depth]), plan.dtype)
+    zeros_v = tf.zeros(tf.stack([batch, plan.kv_heads, plan.bk, plan.value_depth]), plan.dtype)
+    grid = positions(plan, batch) if plan.rate > 0.0 else None
 
     def key_block(j, dq, dks, dvs):
         kj = tf.cast(tf.gather(kb, j), plan.dtype)
         vj = tf.cast(tf.gather(vb, j), plan.dtype)
 
         def query_block(i, dk, dv, dqs):
-            block = _Block(plan, mask, seed, i, j, batch)
+            block = _Block(plan, mask, seed, grid, i, j)
 
             def update(dk, dv, dq_i):
                 qi = tf.cast(tf.gather(qb, i), plan.dtype)
@@ -309,9 +345,7 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
             dk, dv, dq_i = _gated(block, update, (dk, dv, zeros_q))
             return i + 1, dk, dv, dqs.write(i, dq_i)
 
-        zeros_k = tf.zeros(tf.stack([batch, plan.kv_heads, plan.bk, plan.depth]), plan.dtype)
-        zeros_v = tf.zeros(tf.stack([batch, plan.kv_heads, plan.bk, plan.value_depth]), plan.dtype)
-        dqs = tf.TensorArray(plan.dtype, size=plan.nq, element_shape=row_shape)  # unwritten blocks stack as zeros
+        dqs = tf.TensorArray(plan.dtype, size=plan.nq, element_shape=row_shape)  # unwritten blocks are zeros
         start = (plan.first_query_block(j), zeros_k, zeros_v, dqs)
         _, dk, dv, dqs = tf.while_loop(lambda i, *_: i < plan.nq, query_block, start, parallel_iterations=1)
         return j + 1, dq + tf.ensure_shape(dqs.stack(), dq.shape), dks.write(j, dk), dvs.write(j, dv)
@@ -322,7 +356,8 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
         tf.TensorArray(plan.dtype, size=plan.nk, element_shape=[None, plan.kv_heads, plan.bk, plan.depth]),
         tf.TensorArray(plan.dtype, size=plan.nk, element_shape=[None, plan.kv_heads, plan.bk, plan.value_depth]),
     )
-    _, dq, dks, dvs = tf.while_loop(lambda j, *_: j < plan.nk, key_block, start, parallel_iterations=1)
+    # (Key blocks no query sees stay unwritten: zeros.)
+    _, dq, dks, dvs = tf.while_loop(lambda j, *_: j < plan.seen_key_blocks, key_block, start, parallel_iterations=1)
     dq, dk, dv = from_query_blocks(dq, plan), from_key_blocks(dks.stack(), plan), from_key_blocks(dvs.stack(), plan)
     if plan.masked and plan.empty == "mean":
         # Each row that saw no key took the mean of all values: 1/S of its output gradient reaches every value.

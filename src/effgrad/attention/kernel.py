@@ -21,6 +21,7 @@ per block); it is the same mask forward and backward, not the mask
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -119,33 +120,72 @@ def prepare_seed(seed, rate: float):
     if seed is None:
         _fail("dropout_rate > 0 needs seed= (an int, or a [2] integer tensor such as SeedGenerator.next()).")
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
-        return tf.constant([int(seed) % 2**63, 0], tf.int64)
+        seed = int(seed) % 2**64
+        return tf.constant([seed & 0xFFFFFFFF, seed >> 32], tf.int64)
     seed = tf.convert_to_tensor(seed)
     if not seed.dtype.is_integer or seed.shape.as_list() != [2]:
         _fail(f"seed must be an int or a [2] integer tensor, got {seed.dtype.name} {seed.shape}.")
     return tf.cast(seed, tf.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(plan: blocks.Plan, dtype: tf.DType, mask_shape: tuple | None, seeded: bool):
+    """The forward and backward loops as graph functions, traced once per plan for every layer and batch size.
+
+    (Inlined where the caller is compiled with XLA; in eager mode they run as graphs, not Python loops.)
+    """
+    rows = [plan.nq, None, plan.kv_heads, plan.groups * plan.bq]
+    extra = [tf.TensorSpec(mask_shape, tf.bool)] if mask_shape is not None else []
+    extra += [tf.TensorSpec([2], tf.int64)] if seeded else []
+    q = tf.TensorSpec([None, plan.t, plan.heads, plan.depth], dtype)
+    k = tf.TensorSpec([None, plan.s, plan.kv_heads, plan.depth], dtype)
+    v = tf.TensorSpec([None, plan.s, plan.kv_heads, plan.value_depth], dtype)
+    o = tf.TensorSpec([None, plan.t, plan.heads, plan.value_depth], dtype)
+
+    def split(extra):
+        mask = extra[0] if mask_shape is not None else None
+        return mask, (extra[-1] if seeded else None)
+
+    def forward(q, k, v, *extra):
+        o, lse, seen = blocks.forward(q, k, v, *split(extra), plan)
+        return tf.cast(o, dtype), lse, seen
+
+    def backward(q, k, v, o, lse, seen, do, *extra):
+        grads = blocks.backward(q, k, v, o, lse, seen, do, *split(extra), plan)
+        return tuple(tf.cast(g, dtype) for g in grads)
+
+    stats = [tf.TensorSpec(rows, plan.dtype), tf.TensorSpec(rows, tf.bool)]
+    return (
+        tf.function(forward, input_signature=[q, k, v, *extra], autograph=False),
+        tf.function(backward, input_signature=[q, k, v, o, *stats, o, *extra], autograph=False),
+    )
+
+
 def attend(q, k, v, mask, seed, plan: blocks.Plan):
     """The kernel on prepared arguments (:func:`prepare_mask`, :func:`prepare_seed`): ``[B, T, H, Dv]``."""
+    mask_shape = None
+    if mask is not None:  # a batch axis of the mask's own stays unknown: no new trace per batch size
+        mask_shape = tuple(None if i == 2 and n != 1 else n for i, n in enumerate(mask.shape))
+    forward, backward = _compiled(plan, q.dtype, mask_shape, seed is not None)
+    extra = [t for t in (mask, seed) if t is not None]
 
     @tf.custom_gradient
     def run(q, k, v):
-        # In a graph tf.custom_gradient still records f's ops on the tape; its loops must not be
+        # In a graph tf.custom_gradient still records f's ops on the tape; the loops must not be
         # differentiated (that would keep every block's intermediates).
         with _compat.stop_recording():
-            o, lse, seen = blocks.forward(q, k, v, mask, seed, plan)
-            o = tf.cast(o, q.dtype)
+            o, lse, seen = forward(q, k, v, *extra)
 
         def grad(do):
-            dq, dk, dv = blocks.backward(q, k, v, o, lse, seen, do, mask, seed, plan)
-            return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
+            return backward(q, k, v, o, lse, seen, tf.cast(do, o.dtype), *extra)
 
         return o, grad
 
     return run(q, k, v)
 
 
+# No AutoGraph: the kernel has no Python control flow on tensors, and converting it cost 5 s per trace.
+@tf.autograph.experimental.do_not_convert
 def attention(
     query, key, value, *, mask=None, causal: bool = False, scale: float | None = None, dropout_rate: float = 0.0,
     seed=None, soft_cap: float | None = None, block_size: int | str = "auto",
@@ -202,6 +242,7 @@ def attention(
     return attend(q, k, v, prepare_mask(mask, q, plan), prepare_seed(seed, plan.rate), plan)
 
 
+@tf.autograph.experimental.do_not_convert
 def dropout_keep_mask(query, key, value, *, dropout_rate: float, seed, block_size: int | str = "auto") -> tf.Tensor:
     """The ``[B, H, T, S]`` boolean keep mask :func:`attention` draws for these shapes and seed.
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterator
 
 import keras
+import tensorflow as tf
 
 from effgrad import _compat
 from effgrad.attention import layers as known
@@ -50,6 +51,7 @@ class AttentionRouting:
     def __init__(self, mode):
         self.mode = mode
         self.decisions: dict[str, tuple[bool, str]] = {}
+        self.refused: list[tuple[object, str]] = []  # attention=True: (layer, why), raised as the block closes
 
     @property
     def applied(self) -> bool:
@@ -101,6 +103,7 @@ class _Hook:
             own = [r for t, r in self.blocks if t == mine]
             return own[-1] if own else (self.blocks[-1][1] if self.blocks else None)
 
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         layer = self.layer
         # Someone else's instance hook below ours, else the class's method.
@@ -111,8 +114,8 @@ class _Hook:
             return original(*args, **kwargs)
         job = known.job(layer, self.family, arguments)
         if isinstance(job, str):
-            if routing.mode is True:
-                routing.refuse(layer, job)
+            if routing.mode is True:  # raised as the block closes: Keras would wrap it in lines of its own here
+                routing.refused.append((layer, job))
             routing.record(layer, False, job)
             return original(*args, **kwargs)
         routed, why = worth_it(job, routing.mode)
@@ -187,8 +190,9 @@ def efficient_attention(model, mode: bool | str = True) -> Iterator[AttentionRou
     Args:
         model: A Keras model or layer; every attention layer in it is routed.
         mode: ``True`` (default): route every known attention layer, and
-            raise a one-line ``ValueError`` for one that cannot be (it
-            returns its scores, overrides ``_compute_attention``, ...).
+            raise a one-line ``ValueError`` for one that cannot be: on
+            entering for its class (it overrides ``_compute_attention``), as
+            the block closes for a call (it returned its scores).
             ``"auto"``: route a call when its scores outweigh its queries,
             keys, values and output; otherwise, or where it cannot, keep the
             layer's own path and log why once. ``False``: nothing.
@@ -219,6 +223,8 @@ def efficient_attention(model, mode: bool | str = True) -> Iterator[AttentionRou
     finally:
         for hook in hooks:
             _leave(hook, routing)
+    if routing.refused:
+        routing.refuse(*routing.refused[0])
 
 
 def _enter(layer, family: str, cls: type, routing: AttentionRouting) -> _Hook:
