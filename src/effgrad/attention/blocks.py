@@ -9,7 +9,7 @@ attention is one batched matmul per block), keys and values as
 Forward (FlashAttention-2; Rabe & Staats 2021), for each query block ``i``
 (one ``tf.while_loop``) and each key block ``j`` it can see (a nested one)::
 
-    s = scale * q_i k_j^T   (cap * tanh(s / cap) with a soft cap); masked -> -inf
+    s = (scale * q_i) k_j^T   (cap * tanh(s / cap) with a soft cap); masked -> -inf
     m' = max(m, rowmax s);  p = exp(s - m');  l = l * exp(m - m') + rowsum p     (l: `total`)
     acc = acc * exp(m - m') + (p * keep / (1 - rate)) v_j          (keep: dropout)
     o_i = acc / l;  lse_i = m + log l
@@ -19,7 +19,7 @@ the block's probabilities are recomputed from ``lse`` (``p = exp(s - lse)``)::
 
     dv_j += p'^T do_i;  dp = (do_i v_j^T) * keep / (1 - rate)
     ds = p * (dp - rowsum(do_i * o_i))   (* (1 - (s / cap)^2) with a soft cap)
-    dk_j += scale * ds^T q_i;  dq_i += scale * ds k_j
+    dk_j += ds^T (scale * q_i);  dq_i += scale * ds k_j
 
 Causal: a key block entirely above the diagonal is never visited (the loop
 bounds end before it). With a mask, a block whose mask is all False is
@@ -149,12 +149,15 @@ class _Block:
         self.plan = plan
         rows = i * plan.bq + tf.range(plan.bq)
         cols = j * plan.bk + tf.range(plan.bk)
-        allowed = None
+        allowed, edge = None, tf.constant(False)
         if plan.s % plan.bk:
             allowed = tf.broadcast_to(cols[None, :] < plan.s, [plan.bq, plan.bk])
+            edge = tf.equal(j, plan.nk - 1)
         if plan.causal:
             below = cols[None, :] <= rows[:, None]
             allowed = below if allowed is None else allowed & below
+            edge = edge | ((j + 1) * plan.bk - 1 > i * plan.bq)  # some key after some query: on the diagonal
+        self.edge = edge if mask is None else None  # without a mask, only edge blocks need masking
         self.live = None
         if mask is not None:  # mask_blocks' layout
             m = tf.gather(mask, i if mask.shape[0] != 1 else 0)
@@ -171,16 +174,23 @@ class _Block:
             self.keep = keep_block(plan, seed, positions, i, j)
 
     def scores(self, q, k):
-        """``(s, t)``: masked scores (-inf where not allowed) and ``tanh`` of the soft cap (or None)."""
+        """``(s, t)``: masked scores (-inf where not allowed) and ``tanh`` of the soft cap (or None).
+
+        ``q`` comes scaled: ``s = (scale * q) k^T``.
+        """
         plan = self.plan
-        s = tf.matmul(q, k, transpose_b=True) * plan.scale
+        s = tf.matmul(q, k, transpose_b=True)
         t = None
         if plan.soft_cap is not None:
             t = tf.tanh(s / plan.soft_cap)
             s = plan.soft_cap * t
         if self.allowed is not None:
-            s5 = tf.reshape(s, [-1, plan.kv_heads, plan.groups, plan.bq, plan.bk])
-            s = tf.reshape(tf.where(self.allowed, s5, -math.inf), tf.shape(s))
+
+            def masked():
+                s5 = tf.reshape(s, [-1, plan.kv_heads, plan.groups, plan.bq, plan.bk])
+                return tf.reshape(tf.where(self.allowed, s5, -math.inf), tf.shape(s))
+
+            s = masked() if self.edge is None else tf.cond(self.edge, masked, lambda: s)
         return s, t
 
     def dropped(self, x):
@@ -250,7 +260,7 @@ def forward(q, k, v, mask, seed, plan: Plan):
     ``seen``: the row saw at least one key (else its output follows ``plan.empty``).
     """
     batch = tf.shape(q)[0]
-    qb, kb, vb = query_blocks(q, plan), key_blocks(k, plan), key_blocks(v, plan)
+    qb, kb, vb = query_blocks(tf.cast(q, plan.dtype) * plan.scale, plan), key_blocks(k, plan), key_blocks(v, plan)
     rows = plan.groups * plan.bq
     # Every shape is made here, outside the loops (inside them XLA needs compile-time constants).
     stats_shape = tf.stack([batch, plan.kv_heads, rows])
@@ -263,7 +273,7 @@ def forward(q, k, v, mask, seed, plan: Plan):
     grid = positions(plan, batch) if plan.rate > 0.0 else None
 
     def query_block(i, out, lses, seens):
-        qi = tf.cast(tf.gather(qb, i), plan.dtype)
+        qi = tf.gather(qb, i)
 
         def key_block(j, m, total, acc):
             block = _Block(plan, mask, seed, grid, i, j)
@@ -311,7 +321,7 @@ def _value_mean(v, plan: Plan):
 def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
     """``(dq, dk, dv)`` in float32, from the saved ``o`` and ``lse``; the blocks' scores are recomputed."""
     batch = tf.shape(q)[0]
-    qb, kb, vb = query_blocks(q, plan), key_blocks(k, plan), key_blocks(v, plan)
+    qb, kb, vb = query_blocks(tf.cast(q, plan.dtype) * plan.scale, plan), key_blocks(k, plan), key_blocks(v, plan)
     dob = query_blocks(tf.cast(do, plan.dtype), plan)
     delta = tf.reduce_sum(dob * query_blocks(tf.cast(o, plan.dtype), plan), axis=-1)  # rowsum(do * o)
     rows = plan.groups * plan.bq
@@ -329,7 +339,7 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
             block = _Block(plan, mask, seed, grid, i, j)
 
             def update(dk, dv, dq_i):
-                qi = tf.cast(tf.gather(qb, i), plan.dtype)
+                qi = tf.gather(qb, i)
                 doi = tf.gather(dob, i)
                 s, t = block.scores(qi, kj)
                 p = tf.exp(s - tf.gather(lse, i)[..., None])
@@ -338,7 +348,6 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
                 ds = p * (dp - tf.gather(delta, i)[..., None])
                 if t is not None:
                     ds = ds * (1.0 - t * t)
-                ds = ds * plan.scale
                 return dk + tf.matmul(ds, qi, transpose_a=True), dv, tf.matmul(ds, kj)
 
             # (The TensorArray is written outside the cond: XLA cannot carry one through a conditional.)
@@ -358,7 +367,9 @@ def backward(q, k, v, o, lse, seen, do, mask, seed, plan: Plan):
     )
     # (Key blocks no query sees stay unwritten: zeros.)
     _, dq, dks, dvs = tf.while_loop(lambda j, *_: j < plan.seen_key_blocks, key_block, start, parallel_iterations=1)
-    dq, dk, dv = from_query_blocks(dq, plan), from_key_blocks(dks.stack(), plan), from_key_blocks(dvs.stack(), plan)
+    # ds is the gradient of (scale * q) k^T: dk has the scale in it already, dq gets it here.
+    dq = from_query_blocks(dq * plan.scale, plan)
+    dk, dv = from_key_blocks(dks.stack(), plan), from_key_blocks(dvs.stack(), plan)
     if plan.masked and plan.empty == "mean":
         # Each row that saw no key took the mean of all values: 1/S of its output gradient reaches every value.
         unseen = tf.cast(tf.logical_not(seen), plan.dtype)[..., None] * dob  # [nq, B, Hk, G*bq, Dv]

@@ -113,6 +113,8 @@ class _Hook:
         if routing is None or not known.in_training(self.family, arguments):
             return original(*args, **kwargs)
         job = known.job(layer, self.family, arguments)
+        if not isinstance(job, str) and None in [*job.q.shape[1:], *job.k.shape[1:], *job.v.shape[1:]]:
+            job = f"its lengths, heads or depths are unknown while tracing (query {job.q.shape}, key {job.k.shape})"
         if isinstance(job, str):
             if routing.mode is True:  # raised as the block closes: Keras would wrap it in lines of its own here
                 routing.refused.append((layer, job))
