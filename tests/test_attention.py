@@ -94,7 +94,8 @@ def assert_all_close(actual, expected, rtol=1e-5):
 # Each feature in eager (the custom gradient's eager path) and in a graph; all of them at once under XLA
 # (a compile takes seconds).
 COMPILED = [(n, "eager") for n in ("causal_and_mask", "length_1", "everything")]
-COMPILED += [(n, "function") for n in ("causal", "grouped_query", "soft_cap")] + [("everything", "xla")]
+COMPILED += [(n, "function") for n in ("causal", "grouped_query", "soft_cap")]
+COMPILED += [pytest.param("everything", "xla", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name, mode", COMPILED)
@@ -210,6 +211,7 @@ _MEMORY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_scores_never_exist_memory_grows_linearly_in_length():
     extra = in_fresh_processes(_MEMORY, {t: [t] for t in (1024, 2048)})
     scores = 4 * 2048 * 2048 * 4  # [1, 4, T, T] float32: what the plain computation keeps at T = 2048

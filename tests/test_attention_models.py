@@ -267,29 +267,23 @@ def test_a_layer_it_cannot_prove_equal_keeps_its_own_path_and_says_why(caplog):
     assert "\n" not in str(err.value)
 
 
-def test_auto_decides_from_the_layers_shapes_and_the_step_says_why():
+def test_auto_decides_from_the_layers_shapes():
     """ "auto": a layer whose scores weigh less than its q, k, v and output keeps its path (short sequences)."""
-    short = _attention_classifier(8)
-    with effgrad.efficient_attention(short, "auto") as routing:
-        short(tf.zeros([2, 8], tf.int32), training=True)
-    assert routing.decisions and not routing.applied and "weigh less" in routing.reason
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model, x = _attention_classifier(128), tf.zeros([2, 128], tf.int32)
-    step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.1))  # attention="auto" by default
-    step(x, x)
-    assert step.attention and "outweigh" in step.attention_reason
+    for length, applied, words in ((8, False, "weigh less"), (64, True, "outweigh")):
+        model = _attention_classifier(length)
+        with effgrad.efficient_attention(model, "auto") as routing:
+            model(tf.zeros([2, length], tf.int32), training=True)
+        assert routing.decisions and routing.applied is applied and words in routing.reason, routing.reason
 
 
-def test_attach_routes_fit_and_bad_options_get_one_line_errors():
-    model = _attention_classifier(32)
+def test_attach_routes_fit_by_default_and_bad_options_get_one_line_errors():
+    model = _attention_classifier(32)  # 4 heads of 8: the scores (4 x 32 x 32) weigh as much as q, k, v, output
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    effgrad.attach(model, attention=True)
+    effgrad.attach(model)  # attention="auto"
     model.fit(np.zeros((4, 32), "int32"), np.zeros((4, 32), "int32"), epochs=1, verbose=0)
-    assert model.effgrad_step.attention
+    assert model.effgrad_step.attention and "outweigh" in model.effgrad_step.attention_reason
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     for bad, words in (("yes", "True, False"), (True, "no attention layer")):
-        plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         with pytest.raises(ValueError, match=words) as err:
-            effgrad.build_train_step(plain, "mse", keras.optimizers.SGD(), attention=bad)(
-                np.ones((2, 3)), np.ones((2, 2))
-            )
+            effgrad.build_train_step(plain, "mse", keras.optimizers.SGD(), attention=bad)
         assert "\n" not in str(err.value)
