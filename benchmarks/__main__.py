@@ -15,6 +15,7 @@ SUITES = [
     "accumulation",
     "step_floor",
     "fused_loss",
+    "attention",
     "compact_state",
     "loss_scaling",
     "diagnostics",

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Three groups of suites with their plots, so parallel test workers share the ~100 s.
 GROUPS = {
     "step": (
-        ["accumulation", "step_floor", "fused_loss", "compact_state", "loss_scaling", "diagnostics"],
+        ["accumulation", "step_floor", "fused_loss", "attention", "compact_state", "loss_scaling", "diagnostics"],
         [
             "accumulation_memory.png",
             "fused_loss_vocabulary.png",
+            "attention_scaling.png",
             "compact_state_convergence.png",
             "noise_scale.png",
             "memory_monitor.png",

@@ -24,6 +24,8 @@ EXAMPLES = [
     effgrad.saliency_summary,
     effgrad.fused_sparse_cross_entropy,
     effgrad.compact_state,
+    effgrad.attention,
+    effgrad.efficient_attention,
     compact,  # the module's example
     codec,
     _proof,

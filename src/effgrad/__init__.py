@@ -31,6 +31,7 @@ _allocator_statistics_on()
 if not _quiet.answering_help():
     with _quiet.stderr_silenced() if _quiet.running_as_command() else _contextlib.nullcontext():
         from effgrad import diagnostics, memory, privacy
+        from effgrad.attention import AttentionRouting, attention, efficient_attention
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
         from effgrad.remat.checkpointing import (
@@ -53,6 +54,7 @@ if not _quiet.answering_help():
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionRouting",
     "Checkpoint",
     "CheckpointedModel",
     "DynamicLossScale",
@@ -64,12 +66,14 @@ __all__ = [
     "StepOptions",
     "TrainStep",
     "attach",
+    "attention",
     "build_train_step",
     "checkpoint",
     "checkpoint_model",
     "checkpoint_sequential",
     "compact_state",
     "diagnostics",
+    "efficient_attention",
     "fused_sparse_cross_entropy",
     "memory",
     "per_example_norms",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 
 import keras
@@ -22,6 +23,9 @@ __all__ = [
     "TESTED",
     "add_control_input",
     "apply_mask",
+    "attention_classes",
+    "attention_internals",
+    "call_context_training",
     "build_compiled_metrics",
     "compiled_metric_objects",
     "compile_state",
@@ -53,6 +57,8 @@ __all__ = [
     "producer",
     "set_learning_rate",
     "optimization_barrier",
+    "override_method",
+    "restore_method",
     "recording_compiled_loss",
     "replaced",
     "set_compiled_optimizer",
@@ -547,3 +553,115 @@ def hook_method(model, name: str, key: str, wrap, order: int) -> None:
         object.__setattr__(model, name, method)
     else:
         model.__dict__.pop(name, None)
+
+
+# ------------------------------------------------- attention layers (effgrad.attention.layers)
+try:
+    # The Keras call context: the `training` of the layer call running in this thread.
+    from keras.src.backend.common import global_state as _global_state
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.backend.common.global_state", _err) from _err
+
+_MHA = keras.layers.MultiHeadAttention
+if not {"_inverse_sqrt_key_dim", "_dropout", "_flash_attention"} <= set(_MHA.__init__.__code__.co_names) or not {
+    "_softmax",
+    "_dropout_layer",
+    "_attention_axes",
+} <= set(_MHA._build_attention.__code__.co_names):  # pragma: no cover
+    raise _missing(
+        "keras MultiHeadAttention._inverse_sqrt_key_dim/_dropout/_flash_attention/_softmax/_dropout_layer",
+        AttributeError("not found"),
+    )
+
+_ABSENT = object()
+
+
+def override_method(obj, name: str, fn):
+    """Makes ``obj.<name>`` the callable ``fn`` (an instance attribute Keras neither tracks nor saves).
+
+    Returns what :func:`restore_method` puts back. Unlike
+    :func:`intercepted_call` it holds no lock while installed: effgrad's
+    attention routing stays installed while MirroredStrategy's replica
+    threads trace (they wait for each other inside the step).
+    """
+    previous = obj.__dict__.get(name, _ABSENT)
+    object.__setattr__(obj, name, fn)
+    return previous
+
+
+def restore_method(obj, name: str, previous) -> None:
+    if previous is _ABSENT:
+        obj.__dict__.pop(name, None)
+    else:
+        object.__setattr__(obj, name, previous)
+
+
+def call_context_training():
+    """``training`` of the Keras layer call running in this thread (None outside any call)."""
+    context = _global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
+
+
+_HUB_CLASSES: dict | None = None
+_HUB_LLAMA = (
+    ("llama.llama_attention", "LlamaAttention"),
+    ("mistral.mistral_attention", "CachedMistralAttention"),
+    ("qwen.qwen_attention", "QwenAttention"),
+)
+
+
+def attention_classes() -> dict[str, tuple]:
+    """The attention implementations effgrad reproduces, by family.
+
+    ``"keras"``: ``keras.layers.MultiHeadAttention``; ``"llama"``: keras_hub's
+    Llama, Mistral and Qwen attention (einsum, scale, masked float32 softmax);
+    ``"gemma"``: keras_hub's Gemma attention (grouped heads, soft cap,
+    dropout on the probabilities). keras_hub's are looked up only once
+    keras_hub is imported (a model holding them has imported it).
+    """
+    global _HUB_CLASSES
+    if _HUB_CLASSES is None and "keras_hub" in sys.modules:
+        import importlib
+
+        try:
+            llama = tuple(getattr(importlib.import_module(f"keras_hub.src.models.{m}"), c) for m, c in _HUB_LLAMA)
+            gemma = (importlib.import_module("keras_hub.src.models.gemma.gemma_attention").CachedGemmaAttention,)
+            from keras_hub.src.utils.keras_utils import fused_attention_op_available  # noqa: F401
+        except (ImportError, AttributeError) as err:  # pragma: no cover
+            raise _missing("keras_hub's Llama/Mistral/Qwen/Gemma attention layers (keras_hub 0.32)", err) from err
+        for cls in llama:
+            if not {"_inv_norm_factor", "_softmax"} <= set(cls.build.__code__.co_names):  # pragma: no cover
+                raise _missing(f"keras_hub {cls.__name__}._inv_norm_factor/_softmax", AttributeError("not found"))
+        if not {"softmax", "dropout_layer"} <= set(gemma[0].build.__code__.co_names):  # pragma: no cover
+            raise _missing("keras_hub CachedGemmaAttention.softmax/dropout_layer", AttributeError("not found"))
+        _HUB_CLASSES = {"llama": llama, "gemma": gemma}
+    return {"keras": (_MHA,), **(_HUB_CLASSES or {})}
+
+
+def attention_internals(layer, family: str) -> dict:
+    """What a known attention layer's ``_compute_attention`` reads besides its arguments.
+
+    ``scale`` (keras, llama), ``rate`` and ``seeds`` (the dropout on the
+    probabilities and its ``SeedGenerator``: keras, gemma), ``softmax`` (the
+    Keras ``Softmax`` it masks with), ``flash`` (keras: refused on
+    TensorFlow), ``axes`` (keras), ``fused`` (llama, gemma: keras_hub
+    would call a fused op instead), ``sliding`` (the layer's own
+    sliding-window mask method, or None).
+    """
+    if family == "keras":
+        return {
+            "scale": layer._inverse_sqrt_key_dim,
+            "rate": float(layer._dropout),
+            "seeds": getattr(layer._dropout_layer, "seed_generator", None),  # made only when rate > 0
+            "softmax": layer._softmax,
+            "flash": bool(layer._flash_attention),
+            "axes": tuple(layer._attention_axes),
+        }
+    from keras_hub.src.utils.keras_utils import fused_attention_op_available
+
+    sliding = layer._mask_sliding_window if getattr(layer, "use_sliding_window_attention", False) else None
+    if family == "llama":
+        return {"scale": layer._inv_norm_factor, "softmax": layer._softmax, "fused": fused_attention_op_available(),
+                "sliding": sliding}  # fmt: skip
+    return {"softmax": layer.softmax, "seeds": getattr(layer.dropout_layer, "seed_generator", None),
+            "fused": layer._use_fused_attention_op(), "sliding": sliding}  # fmt: skip

@@ -342,7 +342,7 @@ def _check_chain(layers) -> None:
         if previous is not None and (len(inputs) != 1 or inputs[0] is not previous):
             raise ValueError(
                 f"The layers are not a chain: {layer.name!r} does not take the output of the layer before it "
-                "(a graph with branches or skip connections, e.g. model.layers of a ResNet). Use "
+                "(a graph with branches or skip connections, e.g. model.layers of a residual network). Use "
                 "effgrad.checkpoint_model(model), which cuts the graph where every path passes."
             )
         previous = nodes[0].outputs[0] if len(nodes[0].outputs) == 1 else None
@@ -441,11 +441,15 @@ def checkpoint_model(model: keras.Model, segments: int | str = "sqrt") -> keras.
     activations at a time, for one extra forward pass.
 
     Example:
-        >>> resnet = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-        >>> light = effgrad.checkpoint_model(resnet, segments="sqrt")
-        >>> sum(isinstance(layer, effgrad.Checkpoint) for layer in light.layers)  # 38 cuts: ceil(sqrt(39))
-        7
-        >>> light.compile("adam", "sparse_categorical_crossentropy")  # fit() trains resnet's weights
+        >>> inputs = keras.Input((32,))
+        >>> h = inputs
+        >>> for _ in range(8):  # residual blocks: cut after each sum
+        ...     h = keras.layers.Add()([h, keras.layers.Dense(32, activation="relu")(h)])
+        >>> model = keras.Model(inputs, keras.layers.Dense(10)(h))
+        >>> light = effgrad.checkpoint_model(model, segments="sqrt")
+        >>> sum(isinstance(layer, effgrad.Checkpoint) for layer in light.layers)  # 8 cuts: ceil(sqrt(9))
+        3
+        >>> light.compile("adam", "mse")  # fit() trains model's weights
 
     Args:
         model: A built functional or Sequential ``keras.Model``

@@ -95,6 +95,18 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               logger saying whether it does and why not; ``True`` refuses
               with the reason where it cannot; ``False`` never.
               ``step.fused_loss`` / ``step.fused_loss_reason`` tell.
+            * ``attention``: in the step's (training) calls, compute the
+              attention of ``keras.layers.MultiHeadAttention`` (and its
+              keras_hub subclasses: GPT-2, BERT, ...) and of keras_hub's
+              Llama, Mistral, Qwen and Gemma attention with
+              :func:`effgrad.attention`: exact, and the ``[B, H, T, S]``
+              scores never exist. ``"auto"`` (default): per layer, when its
+              scores outweigh its queries, keys, values and output, with one
+              line on the ``effgrad`` logger saying why (not); ``True``:
+              every such layer, refusing with the reason one that cannot be
+              routed (it returns its scores, overrides ``_compute_attention``);
+              ``False`` never. ``step.attention`` / ``step.attention_reason``
+              tell. Inference, ``generate`` and saved files are unchanged.
             * ``per_example_clip``, ``noise_multiplier``, ``seed``: DP-SGD.
               Each example's gradient (of its loss summed over its elements)
               is clipped to norm ``per_example_clip`` without forming

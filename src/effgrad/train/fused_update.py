@@ -106,10 +106,8 @@ def gradients_dominate(model, hint: tuple[int, int] | None) -> bool:
     gradient_bytes = 4 * sum(int(math.prod(v.shape)) for v in model.trainable_variables)
     # Layer outputs understate what backprop keeps (inputs, pre-activations, attention
     # probabilities), and the fused step also keeps every weight use's output gradient until
-    # pass 2. Measured (benchmarks/step_floor.py): a 16x1024 GELU MLP at batch 1024 (weights =
-    # outputs) is better gathered; GPT2Backbone 12x768 at T=128, batch 2 (weights = 3.6x
-    # outputs) fused holds Keras's peak where gathered holds 1.3x, at about Keras's time; 8
-    # Dense 2048x2048 at batch 64 (weights = 32x outputs) fused: 0.84x / 0.97x Keras's peak.
+    # pass 2: where weights and outputs are even it is better gathered, from twice the outputs
+    # fused (benchmarks/step_floor.py measures both sides of the line).
     return gradient_bytes > 2 * per_row * rows
 
 
@@ -230,11 +228,10 @@ def pace(makers: list, grads: list, update_ops: list, sizes: list[int], overlap:
     to ``q``: the updates still running, those between ``q`` and ``p``, add
     up to at most ``overlap`` times the largest variable. With ``overlap=1``,
     on 8 equal Dense kernels one kernel's update runs at a time (a second
-    would hold another kernel-sized gradient: 456 against 440 MiB with Adam,
-    for no time); on GPT2Backbone, whose largest variable is the 147 MiB
-    token embedding, the 2-9 MiB kernels of many layers update side by side
-    (one at a time left a core idle: 0.72 s per Adam step against 0.56 s,
-    Keras's own 0.53 s). Nothing is added where it could deadlock: when an
+    would hold another kernel-sized gradient, for no time); on a transformer
+    whose largest variable is its token embedding, the small kernels of many
+    layers update side by side (one at a time would leave a core idle).
+    Nothing is added where it could deadlock: when an
     update depends on the gradient it would delay (an optimizer that reads
     every gradient before any update).
 

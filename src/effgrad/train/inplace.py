@@ -5,7 +5,7 @@ Keras runs an optimizer's update of a variable op by op. Adam's
     m += (g - m) (1 - b1);   v += (g^2 - v) (1 - b2);   theta -= m alpha / (sqrt(v) + eps)
 
 makes a variable-sized temporary at nearly every op, several alive at once:
-on a 49 MiB table (GPT-2's token embedding) the update holds 128 MiB more
+on a 49 MiB token table the update holds 128 MiB more
 than the variables (AdamW 177, SGD with momentum 64). Compiled by XLA, the
 same update is one fused loop that reads ``g, m, v, theta`` and writes the
 three variables in place: 0 MiB more (measured, one process per optimizer).

@@ -50,13 +50,15 @@ class StepOptions:
     fused_update: bool | str = "auto"
     # A sparse cross-entropy on a final projection computed in chunks (effgrad.train.fused_loss).
     fused_loss: bool | str = "auto"
+    # Attention layers computed by effgrad.attention in training calls (effgrad.attention.routing).
+    attention: bool | str = "auto"
     # DP-SGD: each example's gradient clipped to this norm, Gaussian noise added once per batch.
     per_example_clip: float | None = None
     noise_multiplier: float | None = None
     seed: int | None = None
 
     def __post_init__(self):
-        for name in ("fused_update", "fused_loss"):
+        for name in ("fused_update", "fused_loss", "attention"):
             value = getattr(self, name)
             if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
                 raise ValueError(f'{name} must be True, False or "auto", got {value!r}.')

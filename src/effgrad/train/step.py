@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _checks, distribute
+from effgrad.attention import routing as attention_routing
 from effgrad.train import accumulate, flows, fused_loss, fused_update, noise_scale, update
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
@@ -139,6 +140,8 @@ class TrainStep:
             until the first call decides.
         fused_loss: Whether the loss is fused with the model's last layer;
             ``fused_loss_reason`` says why (not). None until the first call.
+        attention: Whether attention layers compute with :func:`effgrad.attention`
+            (``attention=`` option); ``attention_reason`` says which and why. None until the first call.
     """
 
     def __init__(self, model, loss, optimizer, *, accumulators: accumulate.Accumulators | None = None, **options):
@@ -179,6 +182,8 @@ class TrainStep:
         self.fused_loss: bool | None = None
         self.fused_loss_reason = ""
         self.fused_update: bool | None = None
+        self.attention: bool | None = None
+        self.attention_reason = ""
         self.batch_hint: tuple[int, int] | None = None  # (rows, largest other axis) of the first batch
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.noise_scale: noise_scale.GradientNoiseScale | None = None
@@ -232,6 +237,7 @@ class TrainStep:
         ``x``: a batch (any rows) that builds a model not built yet, as stock
         ``fit`` builds it from its first batch.
         """
+        attention_routing.check_model(self.model, self.options.attention)  # attention=True: refused now
         if not getattr(self.model, "built", False) and x is not None:
             # Variables cannot be created inside the compiled step; one
             # inference call on a single row builds them without touching
@@ -446,6 +452,12 @@ class TrainStep:
                 f"{type(self.model).__name__} is not built, so the step has no variables to train: build it (call it "
                 "on a batch, or give it keras.Input) or call the step itself on a batch first."
             )
+        with attention_routing.efficient_attention(self.model, self.options.attention) as routing:
+            logs = self._replica_step(x, y, sample_weight, shard, micro_batches)
+        self.attention, self.attention_reason = routing.applied, routing.reason
+        return logs
+
+    def _replica_step(self, x, y, sample_weight, shard, micro_batches) -> dict:
         micro_batches = self._micro_batches if micro_batches is None else micro_batches
         ctx = tf.distribute.get_replica_context()
         if shard:

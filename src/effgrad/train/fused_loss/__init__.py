@@ -1,10 +1,10 @@
 """Cross-entropy over a large vocabulary without ever holding the ``[rows, vocabulary]`` logits.
 
 A language model's last layer projects each position's hidden state ``h``
-(``d`` numbers) onto the vocabulary (``V`` numbers, 50,257 for GPT-2), and the
+(``d`` numbers) onto the vocabulary (``V`` numbers, tens of thousands), and the
 loss is a softmax cross-entropy over those logits. Computed plainly, the
 logits of a batch (``rows = batch * T``) are one ``[rows, V]`` float32 tensor
-(393 MiB at batch 8, T=256 for GPT-2's vocabulary) and backprop holds about
+(393 MiB at batch 8, T=256 and 50,257 classes) and backprop holds about
 two more of its size. Fused, in chunks of rows (Cut Cross-Entropy, Wijmans et
 al. 2025; Liger's fused linear cross-entropy)::
 
@@ -31,7 +31,7 @@ softmax, as flash attention's), the kernel's gradient needs nothing from
 backprop but ``dloss`` (a number per row), so it can wait: inside
 :func:`kernel_gradients_later` (the train step's backprop) it is made after
 the backward pass of the whole model under the head, instead of being held
-through it (49 MiB at GPT-2's vocabulary, where that backward pass peaks).
+through it (a ``[d, V]`` buffer, where that backward pass peaks).
 
 Trap:
     The saving is in the loss, not the model: anything else that reads the

@@ -26,7 +26,7 @@ def kernel_gradients_later(variables):
     gradients once every other gradient exists and adds them in.
 
     Why: backprop meets the loss first, so the kernel's gradient (``d x V``,
-    49 MiB at GPT-2's vocabulary) would otherwise be alive through the whole
+    a ``[d, V]`` buffer) would otherwise be alive through the whole
     backward pass of the model under it, where the peak is. Made last, from
     the rows' ``logsumexp`` and upstream gradients (a few numbers per row), it
     costs the same matmuls: the forward pass already made the hidden states'

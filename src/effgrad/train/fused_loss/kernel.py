@@ -15,7 +15,7 @@ from effgrad.train.fused_loss import deferred
 
 __all__ = ["fused_sparse_cross_entropy", "cross_entropy", "CHUNK_ELEMENTS"]
 
-# Elements of one chunk's logits: 16 MiB of float32 (GPT-2's vocabulary: 83 rows per chunk).
+# Elements of one chunk's logits: 16 MiB of float32 (83 rows per chunk at 50,257 classes).
 CHUNK_ELEMENTS = 2**22
 # Columns of the kernel per chunk in backprop (1,024 rows at a time: 16 MiB of logits).
 _VOCAB_CHUNK = 4096
@@ -156,7 +156,7 @@ def _classes(w, b, start, width: int, transposed: bool, has_bias: bool):
 def _over_classes(vocabulary: int, block, state, first_alone: bool = False):
     """``block(start, width, state) -> state`` over the classes, one chunk of ``_VOCAB_CHUNK`` at a
     time: the full chunks in one ``tf.while_loop``, the last, shorter one after it, so the graph is
-    the same size whatever the vocabulary (unrolled, GPT-2's 13 chunks took a step's trace from 1.7
+    the same size whatever the vocabulary (unrolled, 13 chunks of a 50,257-class vocabulary took a step's trace from 1.7
     to 2.9 s). ``first_alone``: the first chunk is unrolled too (it makes a buffer the loop carries).
     """
     full, tail = divmod(vocabulary, _VOCAB_CHUNK)
@@ -169,7 +169,7 @@ def _over_classes(vocabulary: int, block, state, first_alone: bool = False):
     def body(j, *state):
         if not _compat.in_xla_context():
             # A stateful op in the loop: with only stateless ones the loops held 26 MiB more at
-            # GPT-2's head (114 vs 88 MiB added, in each of 3 fresh processes) and were no faster.
+            # a 50,257-class head (114 vs 88 MiB added, in each of 3 fresh processes) and were no faster.
             with tf.control_dependencies([tf.timestamp()]):
                 j = tf.identity(j)
         return (j + 1, *block(j * _VOCAB_CHUNK, _VOCAB_CHUNK, state))
@@ -271,7 +271,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             # Without ranks a row's logits need not exist whole: the logsumexp runs over chunks of
             # 4,096 classes (a running max and sum, and the sum of softmax-weighted kernel rows
             # rescaled with them), so each matmul is [size, 4,096], the shape backprop uses, not a
-            # skinny [16 MiB / V, V] (measured at GPT-2's vocabulary, 2,048 rows: 0.16 s against 0.24 s).
+            # skinny [16 MiB / V, V] (measured at 50,257 classes, 2,048 rows: 0.16 s against 0.24 s).
             h_i, labels_i = chunk(h_pad, i), chunk(labels_pad, i)
 
             def block(start, width, state):
@@ -323,7 +323,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
         if given is not None:
             arrays.append(tf.TensorArray(tf.float32, size=chunks, element_shape=[None, 2]))
         # One chunk at a time (parallel_iterations=1): running several at once holds several chunks'
-        # logits (measured: 632 vs 162 MiB for 2,048 rows of GPT-2's vocabulary).
+        # logits (measured: 632 vs 162 MiB for 2,048 rows of 50,257 classes).
         _, lse_parts, loss_parts, dh_parts, *rank_parts = tf.while_loop(
             lambda i, *_: i < chunks,
             forward if given is not None else forward_in_blocks,
@@ -374,7 +374,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
     gradient is summed per vocabulary chunk in a small ``[d, chunk]`` buffer, then written in place
     into the one kernel-sized buffer. Summing whole ``[d, V]`` gradients over row chunks would keep
     three kernel-sized buffers alive (the sum, the addend, the result); concatenating the chunks at
-    the end, two (measured: 49 MiB more at GPT-2's).
+    the end, two (measured: a kernel-sized buffer more).
     """
     vocabulary = int(w32.shape[0] if transposed else w32.shape[1])
     rows = tf.shape(h32)[0]
@@ -406,7 +406,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
             return _compat.dynamic_update_slice(buffer, part, begin)
         if axis == 0 and own:  # rows of a buffer made here, which nothing else reads: InplaceUpdate copies
             # them in place (TensorStridedSliceUpdate's generic strided copy took 1.4 ms per 4 MiB chunk,
-            # 17 ms a step at GPT-2's vocabulary)
+            # 17 ms a step at 50,257 classes)
             return tf.raw_ops.InplaceUpdate(x=buffer, i=tf.range(start, start + width), v=part)
         end = tf.stack([start + width if a == axis else part.shape[a] for a in range(rank)])
         # in place: TensorFlow forwards the buffer nothing else reads
@@ -421,7 +421,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
         def backward(i, dw_j, db_j):
             h_i, d_i, lse_i = rows_of(h_b, i), rows_of(d_b, i), rows_of(lse_b, i)
             # A [V, d] kernel's chunk is computed as [classes, rows]: then neither matmul transposes
-            # its big operand (dz): the pair measured 10% faster at GPT-2's tied head than dz^T @ h.
+            # its big operand (dz): the pair measured 10% faster at a tied 50,257-class head than dz^T @ h.
             z, slope = _logits(h_i, w_j, b_j if has_bias else None, transposed, soft_cap, classes_first=transposed)
             per_row = (lambda t: t[None, :]) if transposed else (lambda t: t[:, None])
             dz = tf.exp(z - per_row(lse_i)) * per_row(d_i)

@@ -61,8 +61,8 @@ def decide(
     Chunks hold one kernel-sized buffer (the kernel's gradient) and one chunk's logits where the
     plain loss holds two or three logits-sized ones, for a third more of the head's matmuls: "auto"
     fuses when a batch has more than ``4 d`` positions (``d`` = the projection's input size) and
-    its logits do not fit in one chunk. Measured at 512 rows, d = 256: 0.97x the unfused peak at
-    1.20x its time; GPT-2 at 2,048 positions: 0.49x. ``fused_loss=True`` raises where it cannot apply.
+    its logits do not fit in one chunk (below ``4 d`` positions the kernel-sized buffer is most of what
+    chunks would save). ``fused_loss=True`` raises where it cannot apply.
     """
     option, why_not, head = options.fused_loss, None, None
     loss = objective.single
