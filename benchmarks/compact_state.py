@@ -198,11 +198,11 @@ def _digits_run(state, seed, epochs):
     import numpy as np
 
     import effgrad
-    from effgrad import demo
+    from effgrad.cli import demo
 
     x, y = demo.load_digits()
     keras.utils.set_random_seed(seed)
-    model = demo._cnn(checkpointed=False, seed=seed)
+    model = demo.digits_cnn(checkpointed=False, seed=seed)
     opt = keras.optimizers.Adam(1e-3)
     if state != "float32":
         opt = effgrad.compact_state(opt, dtype=state)

@@ -89,7 +89,8 @@ def test_a_step_collected_during_a_trace_is_emptied_later_not_inside_the_trace()
 
     from effgrad.train import accumulate
 
-    buffers = accumulate.Accumulators([tf.Variable(tf.zeros([256, 256]))]).buffers  # its owner is gone
+    owner = accumulate.Accumulators([tf.Variable(tf.zeros([256, 256]))])
+    buffers = owner.buffers
 
     @tf.function
     def another_trace():

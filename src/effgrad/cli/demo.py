@@ -40,7 +40,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     return (data.images / 16.0).astype("float32")[..., None], data.target.astype("int64")
 
 
-def _cnn(checkpointed: bool, seed: int = 0):
+def digits_cnn(checkpointed: bool, seed: int = 0):
+    """The demo's small CNN for 8x8 digits (checkpointed in sqrt(n) segments if ``checkpointed``)."""
     import keras
 
     import effgrad
@@ -69,7 +70,7 @@ def _step_memory_mib(checkpointed: bool, micro_batches: int, x, y) -> float:
     import effgrad
 
     step = effgrad.build_train_step(
-        _cnn(checkpointed), _loss(), keras.optimizers.Adam(1e-3), micro_batches=micro_batches
+        digits_cnn(checkpointed), _loss(), keras.optimizers.Adam(1e-3), micro_batches=micro_batches
     )
     step(x, y)  # trace outside the measurement
     return effgrad.memory.measure(step, x, y).extra_mib
@@ -139,7 +140,7 @@ def run(out_dir: str = "effgrad-demo") -> dict:
     print(f"digits: {len(x)} images of 8x8, 10 classes; writing to {out}/\n")
 
     print("1/5 model.fit with effgrad: batches of 64 as 4 micro-batches, residual blocks checkpointed")
-    model = _cnn(checkpointed=True)
+    model = digits_cnn(checkpointed=True)
     model.compile(optimizer=keras.optimizers.Adam(2e-3), loss=_loss(), metrics=["accuracy"])
     effgrad.attach(model, micro_batches=4)
     history = model.fit(x, y, batch_size=64, epochs=15, validation_split=0.2, shuffle=True, verbose=2)
