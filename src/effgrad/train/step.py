@@ -247,7 +247,7 @@ class TrainStep:
         if self.options.private:
             from effgrad.train.per_example import NormTaps
 
-            self._taps = NormTaps(self.model)  # refuses BatchNormalization now, before any trace
+            self._taps = NormTaps(self.model, training=True)  # refusals and fallback warnings now, before any trace
             self._seed = self.options.seed if self.options.seed is not None else secrets.randbits(62)
         self._state_variables = list(self.model.non_trainable_variables)
         self._donor = None  # taken from, or not needed: its graphs are not kept alive with this step
