@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 
 import keras
 import tensorflow as tf
@@ -82,19 +83,25 @@ def _traced(model, loss, training: bool, batch):
     flat_specs = tf.nest.flatten(specs)
     present = [i for i, s in enumerate(flat_specs) if s is not None]
 
-    def norms(*leaves):
-        flat = [None] * len(flat_specs)
-        for i, t in zip(present, leaves):
-            flat[i] = t
-        x, y, sample_weight = tf.nest.pack_sequence_as(specs, flat)
-        with tf.GradientTape(watch_accessed_variables=False) as tape, keras.StatelessScope():  # no state written
-            with taps.recording(tape) as recorder:
-                y_pred = recorder.hook(lambda: model(x, training=training))
-            per_example = objective.per_example(y, y_pred, sample_weight)
-        return recorder.backward(per_example).norms
-
-    function = tf.function(norms, input_signature=[flat_specs[i] for i in present], autograph=False)
+    signature = [flat_specs[i] for i in present]
+    # A partial, not a closure: TensorFlow counts traces per code object, and each model's function is its own.
+    function = tf.function(
+        functools.partial(_norms, model, taps, objective, training, specs, present), input_signature=signature,
+        autograph=False,
+    )  # fmt: skip
     cache[key] = (function, loss)  # the loss is kept: its id stays its own while the entry lives
     if len(cache) > _CACHED:
         cache.popitem(last=False)
     return function
+
+
+def _norms(model, taps, objective, training, specs, present, *leaves):
+    flat = [None] * len(tf.nest.flatten(specs))
+    for i, t in zip(present, leaves):
+        flat[i] = t
+    x, y, sample_weight = tf.nest.pack_sequence_as(specs, flat)
+    with tf.GradientTape(watch_accessed_variables=False) as tape, keras.StatelessScope():  # no state written
+        with taps.recording(tape) as recorder:
+            y_pred = recorder.hook(lambda: model(x, training=training))
+        per_example = objective.per_example(y, y_pred, sample_weight)
+    return recorder.backward(per_example).norms

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from effgrad import _compat
-from effgrad.train.per_example.forms import Direct, Outer, View
+from effgrad.train.per_example.forms import Direct, Outer, View, by_rows
 from effgrad.train.per_example.rules import NotApplicable, bind, register
 
 __all__: list[str] = []
@@ -138,11 +138,11 @@ def _convolution(layer, call, args, kwargs, tap, *, causal_padding: bool):
     def left():
         p = patches(source, layer.kernel_size, layer.strides, layer.dilation_rate, padding)  # [B, P, K, C]
         p = tf.reshape(p, [tf.shape(p)[0], p.shape[1], p.shape[2], groups, per_group])
-        return tf.reshape(tf.transpose(p, [0, 1, 3, 2, 4]), [tf.shape(p)[0], p.shape[1], groups, -1])
+        return by_rows(tf.transpose(p, [0, 1, 3, 2, 4]), p.shape[1], groups, -1)
 
     def parts(g):
         g_last = _channels_last(g, layer.data_format)
-        right = tf.reshape(g_last, [tf.shape(g)[0], -1, groups, filters // groups])
+        right = by_rows(g_last, -1, groups, filters // groups)
         return [Outer(kernel, left, right, view)] + ([bias(g)] if bias is not None else [])
 
     z = tap(z, parts)
@@ -172,7 +172,7 @@ def _depthwise(layer, call, args, kwargs, tap):
         return tf.transpose(p, [0, 1, 3, 2])
 
     def parts(g):
-        right = tf.reshape(_channels_last(g, layer.data_format), [tf.shape(g)[0], -1, channels, multiplier])
+        right = by_rows(_channels_last(g, layer.data_format), -1, channels, multiplier)
         return [Outer(layer.kernel, left, right, view)] + ([bias(g)] if bias is not None else [])
 
     z = tap(z, parts)

@@ -42,17 +42,25 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["Ids", "View", "Outer", "Direct", "ghost_sq", "instantiate", "clipped", "Book"]
+__all__ = ["Ids", "View", "Outer", "Direct", "by_rows", "ghost_sq", "instantiate", "clipped", "Book"]
 
 
 def _f32(t) -> tf.Tensor:
     return tf.cast(t, tf.float32)
 
 
+def by_rows(t, *shape) -> tf.Tensor:
+    """``t`` as ``[batch, *shape]`` (one entry may be -1), keeping every size known statically (a dynamic
+    batch would otherwise hide the -1's size: the choice between the forms needs it)."""
+    shape = list(shape)
+    if -1 in shape and t.shape[1:].is_fully_defined():
+        shape[shape.index(-1)] = t.shape[1:].num_elements() // math.prod(d for d in shape if d != -1)
+    return tf.reshape(t, [tf.shape(t)[0], *shape])
+
+
 def sum_sq(t) -> tf.Tensor:
     """``[batch]``: the squared norm of each row of ``t``."""
-    t = _f32(t)
-    return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
+    return tf.reduce_sum(tf.square(by_rows(_f32(t), -1)), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
-from effgrad.train.per_example.forms import Direct, Outer, View
+from effgrad.train.per_example.forms import Direct, Outer, View, by_rows
 from effgrad.train.per_example.rules import NotApplicable, bind, register
 
 __all__ = ["CELLS"]
@@ -146,7 +146,7 @@ def _recurrent(layer, call, args, kwargs, tap):
         if isinstance(cell, keras.layers.GRUCell) and not cell.reset_after:  # (r * h) feeds the candidate's third
             r = tf.cast(kept["reset"], previous.dtype)
             left = tf.stack([previous, previous, r * previous], axis=2)
-            right = tf.reshape(g, [rows, -1, 3, units])
+            right = by_rows(g, -1, 3, units)
             out.append(Outer(cell.recurrent_kernel, left, right, View((3, units, units), (1, 0, 2), shape)))
         else:
             if isinstance(cell, keras.layers.GRUCell):  # the candidate's recurrent term is scaled by r

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from effgrad.train.per_example.forms import Direct, Ids, Outer, View
+from effgrad.train.per_example.forms import Direct, Ids, Outer, View, by_rows
 
 __all__ = ["Rule", "NotApplicable", "register", "find", "positions", "summed_positions", "bind"]
 
@@ -116,12 +116,12 @@ def bind(call, args, kwargs) -> dict:
 
 def positions(t) -> tf.Tensor:
     """``t`` as ``[B, T, 1, width]``: every axis between the first and the last is a position."""
-    return tf.reshape(t, [tf.shape(t)[0], -1, 1, t.shape[-1]])
+    return by_rows(t, -1, 1, t.shape[-1])
 
 
 def summed_positions(g) -> tf.Tensor:
     """``[B, width]`` float32: ``g`` summed over its positions (a bias's per-example gradient)."""
-    return tf.reduce_sum(tf.reshape(tf.cast(g, tf.float32), [tf.shape(g)[0], -1, g.shape[-1]]), axis=1)
+    return tf.reduce_sum(by_rows(tf.cast(g, tf.float32), -1, g.shape[-1]), axis=1)
 
 
 def _adapters(layer) -> str | None:
@@ -193,8 +193,7 @@ def _einsum_dense(layer, call, args, kwargs, tap):
             right = tf.einsum(f"{output}->{batch}{''.join(free + produced)}", g)
             order = contracted + produced
             view = View(tuple(size[c] for c in order), tuple(order.index(c) for c in kernel))
-            left = tf.reshape(left, [tf.shape(x)[0], -1, 1, width_in])
-            out = [Outer(layer.kernel, left, tf.reshape(right, [tf.shape(g)[0], -1, 1, width_out]), view)]
+            out = [Outer(layer.kernel, by_rows(left, -1, 1, width_in), by_rows(right, -1, 1, width_out), view)]
         else:  # the per-example einsum itself
             per_example = tf.einsum(
                 f"{inputs},{output}->{batch}{kernel}", tf.cast(x, tf.float32), tf.cast(g, tf.float32)
@@ -211,7 +210,7 @@ def _einsum_dense(layer, call, args, kwargs, tap):
 
 def _ids(ids) -> tf.Tensor:
     ids = ids if ids.dtype in (tf.int32, tf.int64) else tf.cast(ids, tf.int32)  # as Embedding.call casts
-    return tf.reshape(ids, [tf.shape(ids)[0], -1])
+    return by_rows(ids, -1)
 
 
 def _lookup(layer, call, args, kwargs, tap, ids):
@@ -263,7 +262,7 @@ def _position_embedding(layer, call, args, kwargs, tap):
     table = layer.position_embeddings
 
     def parts(g):
-        rows, length = tf.shape(g)[0], tf.shape(g)[1]
+        rows, length = tf.shape(g)[0], g.shape[1] or tf.shape(g)[1]
         if given is None:
             ids = tf.cast(start, tf.int32) + tf.range(length)
         else:

@@ -64,6 +64,8 @@ class NormTaps:
         from effgrad.remat.checkpointing import Checkpoint, CheckpointedModel
 
         self.trained = {id(v) for v in model.trainable_variables}
+        # What a tape reports reading: the backend variable inside each Keras variable.
+        self.read_as = {id(getattr(v, "value", v)): v for v in model.trainable_variables}
         layers = _compat.flatten_layers(model)
         inside_recurrent = {id(sub) for layer in layers if isinstance(layer, keras.layers.RNN)
                             for sub in _compat.flatten_layers(layer)[1:]}  # fmt: skip
@@ -166,6 +168,7 @@ class Recorder:
 
     def _refuse_unseen(self, read, allowed, where: str) -> None:
         allowed = {id(v) for v in allowed}
+        read = [self.taps.read_as.get(id(v), v) for v in read]
         unseen = [v for v in read if id(v) in self.taps.trained and id(v) not in allowed]
         if unseen:
             names = ", ".join(sorted({getattr(v, "path", v.name) for v in unseen}))
