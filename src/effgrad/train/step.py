@@ -11,7 +11,7 @@ Per replica, inside one ``tf.function``::
     S = loss_scale.value                                   # constant within the step
     for each micro-batch i (k of them; k may change between calls without a retrace):
         forward: y_pred, state writes held back               (flows.Forward)
-        differentiate S * sum(w_i * l_i) / B_local             (flows: a tape; DP: two passes, clipped)
+        differentiate S * sum(w_i * l_i) / B_local             (flows: a tape; DP: one pass, clipped)
         add each gradient into its float32 accumulator as backprop makes it   (accumulate)
     raw, sum(w*l), sum(w) = sum across replicas                 # the step's ONE cross-replica reduction
     update: g = raw * B_local / (S * sum(w)) [+ noise] + d(regularization)/dθ, clipped   (update.Update)

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from effgrad import _compat
 from effgrad.train.per_example.forms import Direct, Outer, View, by_rows
-from effgrad.train.per_example.rules import NotApplicable, bind, register
+from effgrad.train.per_example.rules import NotApplicable, activate, bind, register
 
 __all__: list[str] = []
 
@@ -146,7 +146,7 @@ def _convolution(layer, call, args, kwargs, tap, *, causal_padding: bool):
         return [Outer(kernel, left, right, view)] + ([bias(g)] if bias is not None else [])
 
     z = tap(z, parts)
-    return z if layer.activation is None else layer.activation(z)
+    return activate(layer.activation, z)
 
 
 register(keras.layers.Conv1D)(functools.partial(_convolution, causal_padding=True))
@@ -176,4 +176,4 @@ def _depthwise(layer, call, args, kwargs, tap):
         return [Outer(layer.kernel, left, right, view)] + ([bias(g)] if bias is not None else [])
 
     z = tap(z, parts)
-    return z if layer.activation is None else layer.activation(z)
+    return activate(layer.activation, z)

@@ -134,6 +134,8 @@ def _gram(a, b) -> tf.Tensor:
     if isinstance(a, Ids):  # e_{a_t} . b_s = b_s[a_t]
         picked = tf.gather(_f32(b[:, :, 0, :]), tf.cast(a.ids, tf.int32), axis=2, batch_dims=1)  # [B, S, T]
         return tf.transpose(picked, [0, 2, 1])[:, None]
+    if a.shape[1] == 1 and b.shape[1] == 1:  # one position each: a dot product per group
+        return tf.reduce_sum(_f32(a[:, 0]) * _f32(b[:, 0]), axis=-1)[:, :, None, None]
     if a.shape[2] == 1:
         return tf.linalg.matmul(_f32(a[:, :, 0]), _f32(b[:, :, 0]), transpose_b=True)[:, None]
     return tf.einsum("btgk,bsgk->bgts", _f32(a), _f32(b))
@@ -175,6 +177,8 @@ def instantiate(part: Outer) -> tf.Tensor:
         segments = tf.cast(left.ids, tf.int32) + left.size * tf.range(rows)[:, None]
         summed = tf.math.unsorted_segment_sum(tf.reshape(right, [-1, n]), tf.reshape(segments, [-1]), rows * left.size)
         return part.view(tf.reshape(summed, [rows, 1, left.size, n]))
+    if left.shape[2] == 1:  # one batched matmul, no transposed copy
+        return part.view(tf.linalg.matmul(_f32(left[:, :, 0]), right[:, :, 0], transpose_a=True)[:, None])
     return part.view(tf.einsum("btgm,btgn->bgmn", _f32(left), right))
 
 
