@@ -83,12 +83,14 @@ def _traced(model, loss, training: bool, batch):
     flat_specs = tf.nest.flatten(specs)
     present = [i for i, s in enumerate(flat_specs) if s is not None]
 
-    signature = [flat_specs[i] for i in present]
-    # A partial, not a closure: TensorFlow counts traces per code object, and each model's function is its own.
+    # A partial, not a closure: TensorFlow counts traces per code object, and each model's function is its
+    # own. The first trace has the batch's static shapes (a smaller graph, quicker to trace); a second batch
+    # size relaxes them once (reduce_retracing), and no later call traces again.
     function = tf.function(
-        functools.partial(_norms, model, taps, objective, training, specs, present), input_signature=signature,
+        functools.partial(_norms, model, taps, objective, training, specs, present),
+        reduce_retracing=True,
         autograph=False,
-    )  # fmt: skip
+    )
     cache[key] = (function, loss)  # the loss is kept: its id stays its own while the entry lives
     if len(cache) > _CACHED:
         cache.popitem(last=False)

@@ -27,6 +27,7 @@ tied embedding) has ``|sum_u G_u,i|^2 != sum_u |G_u,i|^2``: its parts are
 kept and combined after backprop, with cross Gram terms ``<G_u, G_v>``.
 
 Example:
+    >>> from effgrad.train.per_example.forms import Outer, View, ghost_sq
     >>> x, g = tf.ones([2, 3, 1, 4]), tf.ones([2, 3, 1, 5])
     >>> part = Outer(tf.Variable(tf.zeros([4, 5])), x, g, View((4, 5)))
     >>> [float(v) for v in ghost_sq([part])]  # |sum_t x_t g_t^T|^2 = (3 * 1 * 1)^2 * 20
