@@ -1,17 +1,22 @@
-"""DP-SGD at the memory of a normal step: effgrad's private step against the non-private one and the naive way.
+"""DP-SGD at the cost of a normal step: effgrad's private step against the plain one and per-example gradients.
 
 Per model, one fresh process per row:
 
 * ``effgrad step``: the non-private step (the baseline, 1.00x);
-* ``effgrad DP-SGD``: ``per_example_clip=1.0, noise_multiplier=1.1``: per-example norms from
-  taps (no per-example gradient), a second backward pass of the clipped sum;
-* ``naive per-example``: every example's gradient at once (``tf.map_fn`` of a tape over the
-  examples, stacked: what per-example clipping is by hand; ``tf.vectorized_map`` segfaults
-  inside TensorFlow on the BERT model here), clipped, summed, noised, applied. Its memory
-  is batch x parameters, so it is measured at small batches and the peak at the
-  benchmark's batch is extrapolated linearly (marked);
-* ``TF Privacy 0.9.0``: installed with ``--no-deps`` (it would downgrade TensorFlow); the
-  error it gives is recorded.
+* ``effgrad DP-SGD``: ``per_example_clip=1.0, noise_multiplier=1.1``: one backward pass, per-example
+  norms and the clipped sum from what the taps keep (book-keeping);
+* ``vectorized_map per-example``: the strongest plain-TensorFlow way (JAX's vmap): every example's
+  gradient at once with ``tf.vectorized_map`` of a tape in a ``tf.function``, clipped, summed,
+  noised, applied. Its memory is batch x parameters: it runs at doubling batches while the next
+  one is predicted to fit in ``_CAP`` (a linear fit of the two before); the peak is extrapolated
+  linearly from the largest two to the benchmark's batch, the time in proportion to the batch (marked);
+* an LSTM text classifier: the plain and DP steps, and each example's norm against a loop of
+  one tape per example (``norms vs naive``: the largest relative difference);
+* ``TF Privacy 0.9.0``: installed with ``--no-deps`` (it would downgrade TensorFlow); the error
+  it gives is recorded.
+
+Every model is built without dropout: per-example gradients under ``vectorized_map`` would draw
+their dropout masks per example, and the steps then do the same arithmetic.
 """
 
 from __future__ import annotations
@@ -19,29 +24,39 @@ from __future__ import annotations
 from benchmarks import common
 
 MODULE = "benchmarks.privacy"
+_CAP = 6 * 2**30  # allocator bytes the per-example baseline may reach (the machine is shared)
 
 
 def _model(config):
     import keras
 
     keras.utils.set_random_seed(0)
-    if config["model"] == "mlp":
+    kind = config["model"]
+    if kind == "mlp":
         width = config["width"]
         layers = [keras.Input((width,))] + [
             keras.layers.Dense(width, activation="gelu") for _ in range(config["depth"])
         ]
         return keras.Sequential(layers + [keras.layers.Dense(10)])
+    if kind == "lstm":
+        tokens = keras.Input((config["seq"],), dtype="int32")
+        h = keras.layers.Embedding(config["vocab"], config["hidden"], mask_zero=True)(tokens)
+        h = keras.layers.LSTM(config["hidden"])(h)
+        return keras.Model(tokens, keras.layers.Dense(2)(h))
     import keras_hub
 
+    if kind == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=config["vocab"], num_layers=config["layers"], num_heads=config["heads"],
+            hidden_dim=config["hidden"], intermediate_dim=4 * config["hidden"], max_sequence_length=config["seq"],
+            dropout=0.0,
+        )  # fmt: skip
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=config["vocab"],
-        num_layers=config["layers"],
-        num_heads=2,
-        hidden_dim=config["hidden"],
-        intermediate_dim=4 * config["hidden"],
-        max_sequence_length=config["seq"],
-    )
-    return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+        vocabulary_size=config["vocab"], num_layers=config["layers"], num_heads=2, hidden_dim=config["hidden"],
+        intermediate_dim=4 * config["hidden"], max_sequence_length=config["seq"], dropout=0.0,
+    )  # fmt: skip
+    return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None, dropout=0.0)
 
 
 def _batch(config, rows):
@@ -49,22 +64,28 @@ def _batch(config, rows):
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    if config["model"] == "mlp":
+    kind, seq = config["model"], config.get("seq")
+    if kind == "mlp":
         x = tf.constant(rng.normal(size=(rows, config["width"])).astype("float32"))
         return x, tf.constant(rng.integers(0, 10, rows))
-    seq = config["seq"]
-    mask = np.ones((rows, seq), "int32")
-    mask[:, seq * 3 // 4 :] = 0  # a quarter of every sequence is padding
+    lengths = rng.integers(seq // 2, seq + 1, rows)  # padded to seq: half to all of it is text
+    mask = (np.arange(seq)[None] < lengths[:, None]).astype("int32")
+    ids = rng.integers(1, config["vocab"], (rows, seq)).astype("int32") * mask
+    if kind == "lstm":
+        return tf.constant(ids), tf.constant(rng.integers(0, 2, rows))
+    if kind == "gpt2":
+        x = {"token_ids": tf.constant(ids), "padding_mask": tf.constant(mask)}
+        return x, tf.constant(np.roll(ids, -1, axis=1))
     x = {
-        "token_ids": tf.constant(rng.integers(1, config["vocab"], (rows, seq)).astype("int32") * mask),
+        "token_ids": tf.constant(ids),
         "segment_ids": tf.zeros((rows, seq), tf.int32),
         "padding_mask": tf.constant(mask),
     }
     return x, tf.constant(rng.integers(0, 2, rows))
 
 
-def _naive_step(model, loss, optimizer, clip, noise):
-    """Per-example gradients of every example at once, clipped, summed, noised, averaged, applied."""
+def _vectorized_step(model, loss, optimizer, clip, noise):
+    """Every example's gradient at once (tf.vectorized_map of a tape), clipped, summed, noised, averaged, applied."""
     import tensorflow as tf
 
     variables = model.trainable_variables
@@ -78,8 +99,7 @@ def _naive_step(model, loss, optimizer, clip, noise):
 
     @tf.function(autograph=False)
     def step(x, y):
-        specs = [tf.TensorSpec(v.shape, tf.float32) for v in variables]
-        grads = tf.map_fn(one, (x, y), fn_output_signature=specs)  # [batch, *variable.shape] per variable
+        grads = tf.vectorized_map(one, (x, y))  # [batch, *variable.shape] per variable
         squares = tf.add_n([tf.reduce_sum(tf.reshape(g * g, [tf.shape(g)[0], -1]), 1) for g in grads])
         factors = tf.minimum(1.0, clip / tf.maximum(tf.sqrt(squares), 1e-12))
         rows = tf.cast(tf.shape(factors)[0], tf.float32)
@@ -90,6 +110,25 @@ def _naive_step(model, loss, optimizer, clip, noise):
         return squares
 
     return step
+
+
+def _norms_against_naive(model, loss, x, y, rows: int) -> float:
+    """The largest relative difference between effgrad's norms and one tape per example, on ``rows`` examples."""
+    import numpy as np
+    import tensorflow as tf
+
+    import effgrad
+
+    x, y = tf.nest.map_structure(lambda t: t[:rows], (x, y))
+    got = effgrad.per_example_norms(model, loss, x, y).numpy()
+    expected = []
+    for i in range(rows):
+        x_i = tf.nest.map_structure(lambda t, i=i: t[i : i + 1], x)
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(loss(y[i : i + 1], model(x_i)))
+        grads = tape.gradient(value, model.trainable_variables)
+        expected.append(np.sqrt(sum(float(tf.reduce_sum(tf.square(tf.convert_to_tensor(g)))) for g in grads)))
+    return float(np.max(np.abs(got - np.array(expected)) / np.array(expected)))
 
 
 def _tf_privacy_error() -> str:
@@ -150,56 +189,74 @@ def child(config: dict) -> dict:
     optimizer = keras.optimizers.SGD(1e-3)
     rows = config["rows"]
     x, y = _batch(config, rows)
-    if config["method"] == "naive per-example":
-        step = _naive_step(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
-                           optimizer, clip=1.0, noise=1.1)  # fmt: skip
+    result = {}
+    if config["method"] == "vectorized_map per-example":
+        unreduced = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        step = _vectorized_step(model, unreduced, optimizer, clip=1.0, noise=1.1)
         run = lambda: step(x, y)  # noqa: E731
     else:
         private = {"per_example_clip": 1.0, "noise_multiplier": 1.1} if config["method"] == "effgrad DP-SGD" else {}
         step = effgrad.build_train_step(model, loss, optimizer, **private)
         run = lambda: step(x, y)["loss"]  # noqa: E731
-    run()  # traced and built outside the measurement
+        if private and config.get("check_rows"):  # after the measured step: its trace is not shared
+            result["norms_vs_naive"] = None
+    first = run()  # traced and built outside the measurement
     report = effgrad.memory.measure(run)
     seconds = common.median_time(run, warmup=0, repeats=config["repeats"])
+    if "norms_vs_naive" in result:
+        result["norms_vs_naive"] = _norms_against_naive(model, loss, x, y, config["check_rows"])
+    if config["method"] != "vectorized_map per-example":
+        result["loss_first"] = float(first)
     params = sum(int(tf.size(v)) for v in model.trainable_variables)
-    return {"peak_mib": report.peak_mib, "seconds": seconds, "parameters": params}
+    return {"peak_mib": report.peak_mib, "seconds": seconds, "parameters": params, **result}
 
 
-def _configs(quick: bool):
+def _configs(quick: bool) -> dict:
     if quick:
         return {
-            "16x1024 MLP": {"model": "mlp", "depth": 2, "width": 64, "batch": 64, "naive_rows": [8, 16], "repeats": 1},
-            "BERT-tiny": {
-                "model": "bert",
-                "layers": 1,
-                "hidden": 16,
-                "seq": 16,
-                "vocab": 500,
-                "batch": 16,
-                "naive_rows": [4, 8],
-                "repeats": 1,
-            },  # fmt: skip
-        }
+            "16x1024 MLP": {"model": "mlp", "depth": 2, "width": 32, "batch": 32, "repeats": 1, "start": 8},
+            "BERT-tiny": {"model": "bert", "layers": 1, "hidden": 16, "seq": 8, "vocab": 100, "batch": 16,
+                          "repeats": 1, "start": 4},
+            "GPT-2 small": {"model": "gpt2", "layers": 1, "heads": 2, "hidden": 16, "seq": 8, "vocab": 100,
+                            "batch": 4, "repeats": 1},  # the per-example rows' code is BERT's
+            "LSTM classifier": {"model": "lstm", "vocab": 50, "hidden": 8, "seq": 6, "batch": 8, "repeats": 1,
+                                "check_rows": 3},
+        }  # fmt: skip
     return {
-        "16x1024 MLP": {
-            "model": "mlp",
-            "depth": 16,
-            "width": 1024,
-            "batch": 1024,
-            "naive_rows": [8, 16, 32],
-            "repeats": 3,
-        },  # fmt: skip
-        "BERT-tiny": {
-            "model": "bert",
-            "layers": 2,
-            "hidden": 128,
-            "seq": 128,
-            "vocab": 30522,
-            "batch": 1024,
-            "naive_rows": [16, 32, 64],
-            "repeats": 2,
-        },  # fmt: skip
-    }
+        "16x1024 MLP": {"model": "mlp", "depth": 16, "width": 1024, "batch": 1024, "repeats": 3, "start": 8},
+        "BERT-tiny": {"model": "bert", "layers": 2, "hidden": 128, "seq": 128, "vocab": 30522, "batch": 1024,
+                      "repeats": 2, "start": 16},
+        "GPT-2 small": {"model": "gpt2", "layers": 12, "heads": 12, "hidden": 768, "seq": 128, "vocab": 50257,
+                        "batch": 64, "repeats": 1, "start": 1},
+        "LSTM classifier": {"model": "lstm", "vocab": 20000, "hidden": 128, "seq": 100, "batch": 256, "repeats": 3,
+                            "check_rows": 16},
+    }  # fmt: skip
+
+
+def _per_example_rows(name: str, config: dict, dp: dict, base: dict) -> list[dict]:
+    """The vectorized_map baseline at doubling batches while the next fits ``_CAP``, and its extrapolation."""
+    measured, rows = [], config["start"]
+    while rows < config["batch"]:
+        result = common.run_isolated(MODULE, {**config, "method": "vectorized_map per-example", "rows": rows})
+        measured.append((rows, result))
+        if len(measured) >= 2:
+            (r1, a), (r2, b) = measured[-2:]
+            predicted = b["peak_mib"] + (b["peak_mib"] - a["peak_mib"]) / (r2 - r1) * rows
+            if predicted * 2**20 > _CAP:
+                break
+        rows *= 2
+    out = [{"model": name, "method": "vectorized_map per-example", "batch": r, **m} for r, m in measured]
+    if len(measured) < 2:
+        return out
+    (r1, a), (r2, b) = measured[-2:]
+    target = config["batch"]
+    peak = b["peak_mib"] + (b["peak_mib"] - a["peak_mib"]) / (r2 - r1) * (target - r2)
+    seconds = b["seconds"] * target / r2  # per-example work: time in proportion to the batch
+    out.append({"model": name, "method": "vectorized_map per-example (extrapolated)", "batch": target,
+                "peak_mib": peak, "seconds": seconds, "peak_x": peak / base["peak_mib"],
+                "time_x": seconds / base["seconds"], "dp_peak_vs_this": dp["peak_mib"] / peak,
+                "dp_time_vs_this": dp["seconds"] / seconds})  # fmt: skip
+    return out
 
 
 def run(quick: bool = False) -> dict:
@@ -208,23 +265,12 @@ def run(quick: bool = False) -> dict:
         measured = {}
         for method in ("effgrad step", "effgrad DP-SGD"):
             measured[method] = common.run_isolated(MODULE, {**config, "method": method, "rows": config["batch"]})
-        base = measured["effgrad step"]
+        base, dp = measured["effgrad step"], measured["effgrad DP-SGD"]
         for method, result in measured.items():
             ratios = {"peak_x": result["peak_mib"] / base["peak_mib"], "time_x": result["seconds"] / base["seconds"]}
             rows.append({"model": name, "method": method, "batch": config["batch"], **result, **ratios})
-        naive = [common.run_isolated(MODULE, {**config, "method": "naive per-example", "rows": r})
-                 for r in config["naive_rows"]]  # fmt: skip
-        for r, result in zip(config["naive_rows"], naive):
-            rows.append({"model": name, "method": "naive per-example", "batch": r, **result})
-        (r1, p1), (r2, p2) = (
-            (config["naive_rows"][0], naive[0]["peak_mib"]),
-            (config["naive_rows"][-1], naive[-1]["peak_mib"]),
-        )
-        slope = (p2 - p1) / (r2 - r1)
-        at_batch = p2 + slope * (config["batch"] - r2)
-        rows.append({"model": name, "method": "naive per-example (extrapolated)", "batch": config["batch"],
-                     "peak_mib": at_batch, "peak_x": at_batch / base["peak_mib"],
-                     "naive_over_dp": at_batch / measured["effgrad DP-SGD"]["peak_mib"]})  # fmt: skip
+        if "start" in config:
+            rows += _per_example_rows(name, config, dp, base)
     tf_privacy = common.run_isolated(MODULE, {"method": "TF Privacy 0.9.0"})
     rows.append({"model": "-", "method": "TF Privacy 0.9.0", "error": tf_privacy["error"]})
     columns = [
@@ -235,12 +281,14 @@ def run(quick: bool = False) -> dict:
         ("peak_x", "peak vs step", ".2f"),
         ("seconds", "s/step", ".3f"),
         ("time_x", "time vs step", ".2f"),
-        ("naive_over_dp", "naive / DP peak", ".1f"),
+        ("dp_peak_vs_this", "DP peak vs this", ".3f"),
+        ("dp_time_vs_this", "DP time vs this", ".3f"),
+        ("norms_vs_naive", "norms vs naive", ".1e"),
         ("error", "error", ""),
     ]
     return common.publish(
         "privacy",
-        "DP-SGD: per-example clipping at the memory of a normal step (one step, fresh process per row)",
+        "DP-SGD: per-example clipping at the cost of a normal step (one step, fresh process per row)",
         rows,
         columns,
         quick=quick,

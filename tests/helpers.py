@@ -96,6 +96,42 @@ def naive_per_example_gradients(model, loss, x, y, sample_weight=None, training=
     return grads
 
 
+def per_example_norms_naive(model, loss, x, y, sample_weight=None, training=False) -> np.ndarray:
+    """``[batch]``: the norm of each example's gradient, one backward pass per example."""
+    grads = naive_per_example_gradients(model, loss, x, y, sample_weight, training)
+    return np.array([np.sqrt(sum(float(np.sum(np.square(g))) for g in example)) for example in grads])
+
+
+_CHANNELS_FIRST: list = []
+
+
+def channels_first_unsupported() -> str | None:
+    """None when TensorFlow on this machine trains a channels_first Conv2D model; else its error's key line.
+
+    TensorFlow's CPU builds differ: some have no NCHW convolution kernels (forward or input
+    gradient, e.g. "Conv2DCustomBackpropInputOp only supports NHWC"), and stock Keras fails on
+    them the same way. Asked once per process, with a tiny two-layer model's gradient in a graph.
+    """
+    if not _CHANNELS_FIRST:
+        layers = [keras.layers.Conv2D(2, 2, data_format="channels_first") for _ in range(2)]
+        model = keras.Sequential([keras.Input((2, 4, 4)), *layers])
+
+        @tf.function
+        def gradient(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x))
+            return tape.gradient(loss, model.trainable_variables)
+
+        try:
+            gradient(tf.ones((1, 2, 4, 4)))
+            _CHANNELS_FIRST.append(None)
+        except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as err:
+            lines = [line.strip() for line in str(err.message).splitlines() if line.strip()]
+            key = [line for line in lines if "NHWC" in line or "NCHW" in line or "not implemented" in line.lower()]
+            _CHANNELS_FIRST.append((key or lines or [type(err).__name__])[0])
+    return _CHANNELS_FIRST[0]
+
+
 def png_pixels(path) -> np.ndarray:
     """The picture at ``path`` as an ``[H, W, channels]`` float array; a clear failure if it is no PNG or blank."""
     import matplotlib.image

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from helpers import naive_per_example_gradients, numpy_vars
+from helpers import naive_per_example_gradients, numpy_vars, per_example_losses
 
 _LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -26,27 +26,92 @@ def _clipped_mean(model, loss, x, y, clip, sample_weight=None):
     return total, sum(f < 1 for f in factors)
 
 
+def _two_pass_mean(model, loss, x, y, clip, norms, sample_weight=None):
+    """Round 3's DP-SGD: the norms first, then a second backward pass of sum_i c_i l_i / B."""
+    factors = np.minimum(1.0, clip / norms).astype("float32")
+    with tf.GradientTape() as tape:
+        losses = per_example_losses(loss, y, model(x, training=True), sample_weight)
+        total = tf.reduce_sum(factors * losses) / len(norms)
+    return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(total, model.trainable_variables)]
+
+
 def _after_sgd(model, mean_grad):
     return [w - g for w, g in zip(numpy_vars(model.trainable_variables), mean_grad)]
 
 
-@pytest.mark.parametrize("micro_batches, jit", [(1, False), (3, False), (3, True)])
-def test_update_is_the_mean_of_clipped_per_example_gradients(rng, micro_batches, jit):
-    x, y = rng.normal(size=(11, 5)).astype("float32"), rng.integers(0, 3, 11)  # 11 rows: an uneven last slice
-    w = rng.uniform(0.5, 2.0, 11).astype("float32")
-    model = _mlp()
-    clip = float(np.median(effgrad.per_example_norms(model, _LOSS, x, y, w)))
-    expected_grad, clipped = _clipped_mean(model, _LOSS, x, y, clip=clip, sample_weight=w)
-    assert 4 <= clipped <= 6  # about half the examples are clipped: the clipping decides the update
-    expected = _after_sgd(model, expected_grad)
+def _families(seed=0):
+    """Every closed form but the recurrent ones: a masked embedding, normalizations, grouped and depthwise convs."""
+    keras.utils.set_random_seed(seed)
+    tokens, image = keras.Input((6,), dtype="int32"), keras.Input((6, 6, 4))
+    t = keras.layers.LayerNormalization()(keras.layers.Embedding(20, 8, mask_zero=True)(tokens))
+    t = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(5, activation="gelu")(t))
+    # (no bias right before a normalization: its gradient would be a difference of near-equal sums)
+    i = keras.layers.Conv2D(4, 3, groups=2, padding="same", use_bias=False)(image)
+    i = keras.layers.DepthwiseConv2D(3, activation="relu")(keras.layers.GroupNormalization(2)(i))
+    i = keras.layers.Dense(3, activation="tanh")(keras.layers.Flatten()(i))
+    return keras.Model([tokens, image], keras.layers.Dense(3)(keras.layers.Concatenate()([t, i])))
+
+
+@pytest.fixture(scope="module")
+def families_batch():
+    """A batch for :func:`_families`, its clipping bound, and the clipped mean gradient two ways."""
+    rng = np.random.default_rng(0)
+    rows = 7  # 7 rows: an uneven last micro-batch
+    ids = rng.integers(1, 20, (rows, 6)).astype("int32")
+    ids[1, 3:], ids[4, 1:] = 0, 0  # padding: masked out of each example's loss
+    x, y = [ids, rng.normal(size=(rows, 6, 6, 4)).astype("float32")], rng.integers(0, 3, rows)
+    w = rng.uniform(0.5, 2.0, rows).astype("float32")
+    model = _families()
+    norms = effgrad.per_example_norms(model, _LOSS, x, y, w, training=True).numpy()
+    clip = float(np.median(norms))
+    naive, clipped = _clipped_mean(model, _LOSS, x, y, clip=clip, sample_weight=w)
+    assert 3 <= clipped <= 4  # about half the examples are clipped: the clipping decides the update
+    two_pass = _two_pass_mean(model, _LOSS, x, y, clip, norms, w)
+    loss = float(np.mean(per_example_losses(_LOSS, y, model(x), w)))
+    return (x, y, w), clip, naive, two_pass, loss
+
+
+@pytest.mark.parametrize("mode, micro_batches", [("eager", 1), ("function", 3), ("xla", 1)])
+def test_one_backward_pass_gives_the_two_pass_update(families_batch, mode, micro_batches):
+    (x, y, w), clip, naive, two_pass, loss = families_batch
+    model = _families()
+    before = numpy_vars(model.trainable_variables)
+    rate = 1e4  # the update is the gradient's to float32 precision, whatever the weights
     step = effgrad.build_train_step(
-        model, _LOSS, keras.optimizers.SGD(1.0), micro_batches=micro_batches, jit_compile=jit,
+        model, _LOSS, keras.optimizers.SGD(rate), micro_batches=micro_batches, jit_compile=mode == "xla",
         per_example_clip=clip, noise_multiplier=0.0,
     )  # fmt: skip
-    logs = step(x, y, sample_weight=w)
+    tf.config.run_functions_eagerly(mode == "eager")
+    try:
+        logs = step(x, y, sample_weight=w)
+    finally:
+        tf.config.run_functions_eagerly(False)
+    for v, b, n, t in zip(model.trainable_variables, before, naive, two_pass):
+        got = (b - v.numpy()) / rate
+        np.testing.assert_allclose(got, n, rtol=1e-5, atol=1e-6, err_msg=v.path)  # the clipped mean itself
+        assert np.linalg.norm(got - t) <= 2e-6 * np.linalg.norm(t), v.path  # today's two-pass update
+    assert float(logs["loss"]) == pytest.approx(loss, rel=1e-5)  # the mean per-example loss
+
+
+def test_recurrent_text_classifier_trains_with_the_clipped_mean(rng):
+    def lstm():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((8,), dtype="int32")
+        h = keras.layers.Embedding(30, 6, mask_zero=True)(tokens)
+        return keras.Model(tokens, keras.layers.Dense(2)(keras.layers.LSTM(5)(h)))
+
+    ids = rng.integers(1, 30, (6, 8)).astype("int32")
+    ids[0, 5:], ids[3, 2:] = 0, 0
+    y = rng.integers(0, 2, 6)
+    model = lstm()
+    expected_grad, clipped = _clipped_mean(model, _LOSS, ids, y, clip=0.1)
+    assert clipped >= 2
+    expected = _after_sgd(model, expected_grad)
+    step = effgrad.build_train_step(
+        model, _LOSS, keras.optimizers.SGD(1.0), micro_batches=2, per_example_clip=0.1, noise_multiplier=0.0
+    )
+    step(ids, y)
     assert_variables_close(model.trainable_variables, expected, rtol=1e-5, atol=1e-6)
-    per_example = _LOSS.call(y, _mlp()(x)).numpy() * w
-    assert float(logs["loss"]) == pytest.approx(per_example.mean(), rel=1e-5)  # the mean per-example loss
 
 
 def test_several_replicas_give_the_one_device_update(rng, strategy):
@@ -174,6 +239,10 @@ def test_bad_privacy_options_are_refused_with_what_to_pass():
     bn = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="BatchNormalization"):
         effgrad.build_train_step(bn, _LOSS, keras.optimizers.SGD(), per_example_clip=1.0, noise_multiplier=1.0)
+    rnn = keras.Sequential([keras.Input((4, 5)), keras.layers.LSTM(3, recurrent_dropout=0.2), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="lstm.*recurrent_dropout=0") as refused:  # before any trace: at build
+        effgrad.build_train_step(rnn, _LOSS, keras.optimizers.SGD(), per_example_clip=1.0, noise_multiplier=1.0)
+    assert "\n" not in str(refused.value)
 
 
 def test_epsilon_matches_dp_accountings_worked_examples():

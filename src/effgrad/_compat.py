@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 import threading
 
@@ -22,6 +23,8 @@ import tensorflow as tf
 __all__ = [
     "TESTED",
     "add_control_input",
+    "BaseConv",
+    "BaseDepthwiseConv",
     "apply_mask",
     "attention_classes",
     "attention_internals",
@@ -61,6 +64,8 @@ __all__ = [
     "restore_method",
     "recording_compiled_loss",
     "replaced",
+    "rnn_loop",
+    "seed_states",
     "set_compiled_optimizer",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
@@ -118,10 +123,18 @@ except (ImportError, AttributeError) as _err:  # pragma: no cover
     raise _missing("keras.src backend / losses internals", _err) from _err
 
 try:
-    # The convolution layers' shared base: per-example norms read its call as patches.
+    # Per-example norms mirror the convolution layers' calls (their shared bases), and run a
+    # recurrent layer's cell arithmetic through Keras's own loop (masks, go_backwards, unroll)
+    # as the layer's inner_loop does.
+    from keras.src.backend import rnn as rnn_loop
     from keras.src.layers.convolutional.base_conv import BaseConv as _BaseConv
+    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
 except ImportError as _err:  # pragma: no cover
-    raise _missing("keras.src.layers.convolutional.base_conv.BaseConv", _err) from _err
+    raise _missing("keras.src.layers.convolutional BaseConv / BaseDepthwiseConv, keras.src.backend.rnn", _err) from _err
+BaseConv = _BaseConv
+_tracker = getattr(keras.layers.Layer, "_initialize_tracker", None)
+if _tracker is None or "_seed_generators" not in inspect.unwrap(_tracker).__code__.co_names:
+    raise _missing("keras Layer._seed_generators", AttributeError("not found"))  # pragma: no cover
 if not hasattr(keras.layers.Layer, "_flatten_layers"):  # pragma: no cover
     raise _missing("keras Layer._flatten_layers", AttributeError("not found"))
 # (Checked on the class, not an instance: an optimizer would start TensorFlow's context at import.)
@@ -388,6 +401,11 @@ def own_variables(layer) -> list:
             seen.add(id(v))
             own.append(v)
     return own
+
+
+def seed_states(layer) -> list:
+    """The state variables of the seed generators of ``layer`` and its sublayers (Keras random ops advance them)."""
+    return [g.state for sub in flatten_layers(layer) for g in getattr(sub, "_seed_generators", ())]
 
 
 def plain_convolution(layer) -> bool:

@@ -110,8 +110,8 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
             * ``per_example_clip``, ``noise_multiplier``, ``seed``: DP-SGD.
               Each example's gradient (of its loss summed over its elements)
               is clipped to norm ``per_example_clip`` without forming
-              per-example gradients (:func:`effgrad.per_example_norms`, two
-              backward passes), the clipped sum gets Gaussian noise of
+              per-example gradients (:func:`effgrad.per_example_norms`; one
+              backward pass forms the norms and the clipped sum), the clipped sum gets Gaussian noise of
               standard deviation ``noise_multiplier * per_example_clip`` once
               per batch (the same draw on every replica, from ``seed`` and the
               optimizer's iteration), and is divided by the number of

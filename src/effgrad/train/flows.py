@@ -5,17 +5,16 @@ The step threads a :class:`Sums` carry through its micro-batches::
     for each micro-batch:
         y_pred, state = model(x_i)               # writes recorded, not applied (StateScope)
         total_i, normalizer_i = loss sums          # normalized once, over the whole batch
-        grads_i = differentiate(S * total_i / divisor)   # a tape; DP: two passes, per-example clipped
+        grads_i = differentiate(S * total_i / divisor)   # a tape; DP: per-example clipped, one pass
         -> added into the accumulators as they arrive (effgrad.train.accumulate)
 
 Two ways to differentiate a micro-batch:
 
 * :func:`tape_gradients`: one tape, the plain gradient.
-* :func:`clipped_gradients` (DP-SGD): the tape is kept for two backward
-  passes. The first computes every example's gradient norm without any
-  per-example gradient (:mod:`effgrad.train.per_example`); the second is
-  the gradient of ``sum_i min(1, C / norm_i) * l_i``, which is the sum of the
-  clipped per-example gradients (Bu et al.'s book-keeping, two passes).
+* :func:`clipped_gradients` (DP-SGD): one backward pass to taps on every
+  layer call with weights gives every example's gradient norm and keeps
+  what the clipped sum ``sum_i min(1, C / norm_i) grad l_i`` is then
+  formed from (:mod:`effgrad.train.per_example`; Bu et al.'s book-keeping).
 
 What a trace learns about the model (which state variables the forward pass
 writes, state outside the model's variables) is recorded in a :class:`Facts`
@@ -138,34 +137,38 @@ def clipped_gradients(
 ):
     """``differentiate(batch_i, sums) -> (grads, sums)``: the sum of per-example gradients, each clipped.
 
-    Algorithm (DP-SGD's clipping without per-example gradients)::
+    Algorithm (DP-SGD's clipping in one backward pass: book-keeping, Bu et al. 2023)::
 
         l_i = sum over example i's loss elements of w * l     (per-token losses summed)
-        forward once, keeping the tape; taps record each layer's input
-        pass 1: backprop S * sum_i l_i to the taps only: each layer's share of
-                |grad l_i|^2 from its input and output gradient, for every i
+        forward once; every layer call with weights is tapped (effgrad.train.per_example)
+        backprop S * sum_i l_i to the taps only: each layer turns its input and output
+            gradient into its share of |grad l_i|^2 and keeps what its clipped sum needs
+            (the per-example gradient, or its two factors, whichever is smaller)
         c_i = min(1, C / |grad l_i|)
-        pass 2: backprop sum_i c_i l_i * multiplier to the variables
+        grads = sum_i c_i grad l_i * multiplier, per weight, from what was kept: a^T (c * g)
 
+    No weight gradient exists before ``c``, and there is no second backward pass.
     ``sums.total`` is ``sum_i l_i`` and ``sums.normalizer`` the number of
     examples: DP-SGD divides the noisy sum by the batch size. ``scale`` is
-    the loss scale ``S`` (pass 1 backprops in the model's dtype too).
+    the loss scale ``S`` (backprop runs in the model's dtype, scaled).
     """
     bound = tf.constant(clip_norm, tf.float32)
 
     def differentiate(batch, sums: Sums):
         x, y, sample_weight = batch
-        with tf.GradientTape(persistent=True) as tape:
+        with tf.GradientTape(watch_accessed_variables=False) as tape:  # only the taps are differentiated to
             with taps.recording(tape) as recorder:
                 y_pred, pending = forward(batch, sums.pending, facts, hook=recorder.hook)
             per_example = forward.objective.per_example(y, y_pred, sample_weight)
-        norms = recorder.norms(per_example, scale)
+        backward = recorder.backward(per_example, scale)
+        norms = backward.norms
         factors = tf.where(norms > bound, bound / norms, tf.ones_like(norms))
         # A non-finite norm (float16 overflow) stays non-finite in the gradient: the step is skipped.
         factors = tf.where(tf.math.is_finite(norms), factors, norms)
         rows = tf.cast(tf.shape(per_example)[0], tf.float32)
-        grads = dense(tape.gradient(per_example, variables, output_gradients=factors * multiplier(rows)))
-        del tape
+        # What the backward pass kept is scaled by S; multiplier(rows) carries S too: divide it once.
+        weights = factors * tf.cast(multiplier(rows), tf.float32) / tf.cast(scale, tf.float32)
+        grads = backward.gradients(variables, weights)
         sums = Sums(sums.total + tf.reduce_sum(per_example), sums.normalizer + rows, pending, _sized(sums.noise, rows))
         if on_gradients is not None:
             sums = on_gradients(grads, sums)

@@ -11,7 +11,7 @@ Per replica, inside one ``tf.function``::
     S = loss_scale.value                                   # constant within the step
     for each micro-batch i (k of them; k may change between calls without a retrace):
         forward: y_pred, state writes held back               (flows.Forward)
-        differentiate S * sum(w_i * l_i) / B_local             (flows: a tape; DP: two passes, clipped)
+        differentiate S * sum(w_i * l_i) / B_local             (flows: a tape; DP: one pass, clipped)
         add each gradient into its float32 accumulator as backprop makes it   (accumulate)
     raw, sum(w*l), sum(w) = sum across replicas                 # the step's ONE cross-replica reduction
     update: g = raw * B_local / (S * sum(w)) [+ noise] + d(regularization)/dθ, clipped   (update.Update)
@@ -263,7 +263,7 @@ class TrainStep:
         if self.options.private:
             from effgrad.train.per_example import NormTaps
 
-            self._taps = NormTaps(self.model)  # refuses BatchNormalization now, before any trace
+            self._taps = NormTaps(self.model, training=True)  # refusals and fallback warnings now, before any trace
             self._seed = self.options.seed if self.options.seed is not None else secrets.randbits(62)
         self._state_variables = list(self.model.non_trainable_variables)
         self._given_accumulators = None  # taken, or not needed
