@@ -30,6 +30,7 @@ __all__ = [
     "get_stateless_scope",
     "gradients_already_reduced",
     "built_for",
+    "show_built_for",
     "call_arguments",
     "collective_arguments",
     "collective_launchers",
@@ -108,6 +109,14 @@ if not any(
 ):  # pragma: no cover
     raise _missing("keras Optimizer._learning_rate", AttributeError("not found"))
 
+
+try:
+    # Keras's own attribute tracking (what an optimizer adds to .variables), switched off around an assignment.
+    from keras.src.utils import tracking as _keras_tracking
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.utils.tracking", _err) from _err
+if not hasattr(_keras_tracking, "DotNotTrackScope"):  # pragma: no cover
+    raise _missing("keras.src.utils.tracking.DotNotTrackScope", AttributeError("not found"))
 
 try:
     # compile()'s loss: its per-output terms (path, loss, loss_weights, name).
@@ -333,6 +342,13 @@ def flatten_layers(model) -> list:
 def built_for(optimizer) -> list:
     """The variables a built Keras optimizer keeps state for, in its order."""
     return list(optimizer._trainable_variables)
+
+
+def show_built_for(optimizer, variables) -> None:
+    """Makes ``variables`` the ones a built optimizer lists (and its checkpoint saves, as
+    ``optimizer/_trainable_variables/i``); the update still finds its state by the variables it was built on."""
+    with _keras_tracking.DotNotTrackScope():  # not into optimizer.variables (TensorFlow's tracking still sees it)
+        optimizer._trainable_variables = list(variables)
 
 
 def own_variables(layer) -> list:

@@ -240,6 +240,9 @@ class Shards:
             optimizer.build(targets)
         if wrapper is not None and not wrapper.built:
             wrapper.build(targets)  # a LossScaleOptimizer: its own variables (the inner one is built)
+        for built in (optimizer, wrapper):  # checkpoints list the model's variables, as without shards
+            if built is not None:
+                _compat.show_built_for(built, variables)
         state["shards"] = shards = cls(group, variables, layout_plan, targets)
         return shards
 

@@ -94,7 +94,12 @@ class Group:
 
     # Outside a step, eagerly: whole values from shards and back (checkpoints, numpy, assign).
     def gathered(self, variable) -> tf.Tensor:
-        return self.strategy.gather(variable.value, axis=0)
+        # Collectives carry 32/64-bit numbers and float16: int8 codes and bfloat16 moments travel widened.
+        dtype = tf.as_dtype(variable.dtype)
+        wide = dtype if dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64) else None
+        wide = wide or (tf.float32 if dtype.is_floating else tf.int32)
+        parts = self.strategy.run(lambda: tf.cast(variable.value.read_value(), wide))
+        return tf.cast(self.strategy.gather(parts, axis=0), dtype)
 
     def scatter(self, variable, rows) -> None:
         """Each replica's copy of ``variable`` := its rows of ``rows`` (padded to ``replicas`` times its own)."""
