@@ -1658,6 +1658,10 @@ class PlannedTrainStep:
             )
         self.budget_bytes = parse_budget(memory_budget)
         StepOptions(**options)  # every other bad option is refused now, not at the first batch
+        if options.get("shard_state"):
+            raise ValueError(
+                "shard_state=True is not planned (the planner measures unsharded steps): give micro_batches=k."
+            )
         self.model, self.loss, self.optimizer, self.margin, self.options = model, loss, optimizer, margin, options
         self.verbose = verbose
         self.plan: MemoryPlan | None = None

@@ -93,7 +93,15 @@ class Group:
         return tf.raw_ops.CollectiveGatherV2(input=shard, **self._arguments())
 
     # Outside a step, eagerly: whole values from shards and back (checkpoints, numpy, assign).
+    @property
+    def _all_local(self) -> bool:
+        """Every replica is in this process (MirroredStrategy): no collective needed to see them all."""
+        return len(self.strategy.extended.worker_devices) == self.replicas
+
     def gathered(self, variable) -> tf.Tensor:
+        """Every replica's rows of ``variable`` in replica order (eagerly; every worker calls it)."""
+        if self._all_local:
+            return tf.concat([tf.identity(c) for c in self.strategy.experimental_local_results(variable.value)], 0)
         # Collectives carry 32/64-bit numbers and float16: int8 codes and bfloat16 moments travel widened.
         dtype = tf.as_dtype(variable.dtype)
         wide = dtype if dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64) else None
@@ -104,6 +112,10 @@ class Group:
     def scatter(self, variable, rows) -> None:
         """Each replica's copy of ``variable`` := its rows of ``rows`` (padded to ``replicas`` times its own)."""
         per = variable.shape[0]
+        if self._all_local:
+            for i, copy in enumerate(self.strategy.experimental_local_results(variable.value)):
+                copy.assign(rows[i * per : (i + 1) * per], read_value=False)
+            return
 
         def assign(rows):
             rank = tf.distribute.get_replica_context().replica_id_in_sync_group
