@@ -22,6 +22,7 @@ SUITES = [
     "checkpoint_model",
     "segments",
     "distributed",
+    "shard",
     "saliency",
     "saliency_methods",
     "token_attribution",
