@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
-from effgrad.train import compact
+from effgrad.train import compact, shard
 
 EXAMPLES = [
     effgrad.build_train_step,
@@ -22,6 +22,7 @@ EXAMPLES = [
     effgrad.fused_sparse_cross_entropy,
     effgrad.compact_state,
     compact,  # the module's example
+    shard,
 ]
 
 

@@ -20,11 +20,22 @@ The reduce-scatter is an all-to-all of the gradient's N parts and a local sum (t
 reduce-scatter kernel; the all-to-all moves the same bytes). DP-SGD's noise is drawn by each shard's
 owner for its numbers only, the very numbers the unsharded step draws there (Philox counters).
 
+Whole variables dealt out round-robin would need no padding, but one large variable (an embedding)
+then sits whole on one replica, over 1/N of the state; flat shards keep 1/N (+ a few numbers of
+padding) on any model, and every collective moves equal parts.
+
+Example:
+    >>> from effgrad.train import shard
+    >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(1)])
+    >>> [layout and layout.shard for layout in shard.plan(model.trainable_variables, replicas=4).layouts]
+    [4096, 64, 64, None]
+    >>> step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(), shard_state=True)
+    >>> step.shard_state, step.shard_state_reason.split(":")[0]  # no strategy: one replica, a no-op
+    (False, 'one replica')
+
 Trap:
-    Whole variables assigned round-robin would need no padding, but one large variable (an
-    embedding) then sits whole on one replica: GPT-2's token embedding is 31% of its numbers, so
-    4 replicas could not keep 1/4 of the state each. Flat shards keep 1/N (+ a few numbers of
-    padding) on any model, and every collective moves equal parts.
+    The summed gradient of several micro-batches is reduce-scattered once, at the end of the step:
+    each replica keeps a whole float32 accumulator, as without sharding (see :meth:`Shards.reduce`).
 """
 
 from __future__ import annotations
@@ -58,7 +69,8 @@ def decide(options, strategy, optimizer) -> tuple[bool, str]:
     if _compat.collective_launchers(strategy) is None:
         raise ValueError(
             f"shard_state=True needs MirroredStrategy or MultiWorkerMirroredStrategy (tf.distribute's collective "
-            f"ops); {type(strategy).__name__} has none here: drop shard_state or change the strategy."
+            f"ops); {type(strategy).__name__} has none (ParameterServer, CentralStorage and TPU strategies do not): "
+            "drop shard_state or change the strategy."
         )
     refusals = [
         (options.noise_scale, "noise_scale=True (its estimate needs every replica's whole gradient)"),
@@ -78,12 +90,16 @@ def decide(options, strategy, optimizer) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """Which variables are cut (:func:`plan`)."""
+
     layouts: tuple  # per variable: its Layout, or None (replicated)
+    sizes: tuple  # per variable: its numbers
 
     @property
     def summary(self) -> str:
-        sharded = [layout for layout in self.layouts if layout is not None]
-        return f"{len(sharded)} of {len(self.layouts)} variables cut into shards"
+        cut = [size for size, layout in zip(self.sizes, self.layouts) if layout is not None]
+        share = sum(cut) / max(sum(self.sizes), 1)
+        return f"{len(cut)} of {len(self.sizes)} variables ({share:.2%} of the numbers) cut into shards"
 
 
 def plan(variables, replicas: int, align: int = PHILOX_NUMBERS) -> Plan:
@@ -99,10 +115,11 @@ def plan(variables, replicas: int, align: int = PHILOX_NUMBERS) -> Plan:
             break
         shard = -(-sizes[i] // (replicas * align)) * align
         variable = variables[i]
-        if shard < sizes[i] and floating(variable) and not getattr(variable, "overwrite_with_gradient", False):
+        floating = keras.backend.is_float_dtype(variable.dtype)
+        if shard < sizes[i] and floating and not getattr(variable, "overwrite_with_gradient", False):
             layouts[i] = Layout(tuple(variable.shape), shard, replicas)
             left -= sizes[i]
-    return Plan(tuple(layouts))
+    return Plan(tuple(layouts), tuple(sizes))
 
 
 def _rank() -> tf.Tensor:
@@ -325,7 +342,3 @@ class Shards:
             return copy.assign(tf.cast(value, copy.dtype), read_value=False)
 
         strategy.extended.update(variable.value, put, args=(target.value,), group=False)
-
-
-def floating(variable) -> bool:
-    return keras.backend.is_float_dtype(variable.dtype)

@@ -162,19 +162,17 @@ class ShardSlot(_compat.SavedAsVariable):
             )
         super().__init__(shape=shape, trainable=False, synchronization="on_read", aggregation="none", **kwargs)
         self.group, self.layout = group, layout
-        per_row = layout.shard // shape[0]
-        self.unsharded_shape = layout.shape if shape == (layout.shard,) else (-(-layout.size // per_row), *shape[1:])
-
-    def _whole_rows(self) -> int:
-        return self.unsharded_shape[0] if self.unsharded_shape != self.layout.shape else self.layout.size
+        # Rows of the whole slot: one per number when the shard is stored as it is, else what covers them.
+        self._whole_rows = layout.size if shape == (layout.shard,) else -(-layout.size // (layout.shard // shape[0]))
+        self.unsharded_shape = layout.shape if shape == (layout.shard,) else (self._whole_rows, *shape[1:])
 
     def saved_value(self) -> tf.Tensor:
-        return tf.reshape(self.group.gathered(self)[: self._whole_rows()], self.unsharded_shape)
+        return tf.reshape(self.group.gathered(self)[: self._whole_rows], self.unsharded_shape)
 
     def restore_saved_value(self, value) -> None:
         value = tf.cast(tf.convert_to_tensor(value), self.dtype)
-        rows = tf.reshape(value, [self._whole_rows(), *self.shape[1:]])
-        missing = self.group.replicas * self.shape[0] - self._whole_rows()
+        rows = tf.reshape(value, [self._whole_rows, *self.shape[1:]])
+        missing = self.group.replicas * self.shape[0] - self._whole_rows
         self.group.scatter(self, tf.pad(rows, [[0, missing]] + [[0, 0]] * (len(self.shape) - 1)))
 
     def numpy(self):
@@ -216,7 +214,9 @@ def shard_slots(optimizer, group: Group, layouts: dict):
 
     def add_variable(shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None):
         if not current or current[-1] is None:
-            return plain_add(shape, initializer=initializer, dtype=dtype, aggregation=aggregation, name=name)
+            return plain_add(
+                shape, initializer=initializer, dtype=dtype, aggregation=aggregation, layout=layout, name=name
+            )
         with keras.name_scope(optimizer.name):
             slot = ShardSlot(
                 group, current[-1], initializer=keras.initializers.get(initializer), shape=shape, dtype=dtype, name=name

@@ -244,6 +244,7 @@ class TrainStep:
         with self.strategy.scope():
             if self.shard_state:  # the optimizer's state is built on this replica's shards
                 self._shards = shard.Shards.of(self.strategy, self.optimizer, self._keras_loss_scale, variables)
+                self.shard_state_reason = f"{self.shard_state_reason}: {self._shards.plan.summary}"
             if self._keras_loss_scale is not None and not self._keras_loss_scale.built:
                 self._keras_loss_scale.build(variables)  # builds the inner optimizer too
             if not self.optimizer.built:
