@@ -71,7 +71,7 @@ def _slot_scales(optimizer) -> dict:
     "optimizer, micro_batches, options",
     [
         ("adamw", 4, {"clip_norm": 0.5, "regularizer": keras.regularizers.L2(0.01)}),
-        ("compact_int8", 1, {}),
+        pytest.param("compact_int8", 1, {}, marks=pytest.mark.slow),  # XLA compiles each update: ~10 s
         ("sgd_momentum", 1, {"per_example_clip": 1.0, "noise_multiplier": 1.1, "seed": 3, "clip_norm": 0.3}),
         ("adam", 4, {"policy": "mixed_float16"}),
     ],
@@ -103,6 +103,7 @@ def test_sharded_steps_equal_the_unsharded_step(strategy, rng, optimizer, micro_
     assert sharded_slots >= 3 * (1 if optimizer == "sgd_momentum" else 2)
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_2_replicas_restores_with_1_and_continues_equal(strategy, rng, tmp_path):
     x = rng.normal(size=(12, 40)).astype("float32")
     y = rng.normal(size=(12, 3)).astype("float32")
