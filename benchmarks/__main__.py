@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -23,6 +24,7 @@ SUITES = [
     "checkpoint_model",
     "segments",
     "distributed",
+    "shard",
     "saliency",
     "saliency_methods",
     "token_attribution",
@@ -51,9 +53,10 @@ def main(argv=None) -> int:
 
     for name in args.suites or SUITES:
         print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        started = time.perf_counter()
         importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
         table = (common.RESULTS / f"{name}.md").read_text()
-        print(table, flush=True)
+        print(f"{table}\n({name}: {time.perf_counter() - started:.0f} s)", flush=True)
     index = common.RESULTS / "README.md"
     # A suite's tables: its own, and any more it names in TABLES.
     tables = [t for name in SUITES for t in getattr(importlib.import_module(f"benchmarks.{name}"), "TABLES", [name])]

@@ -26,7 +26,7 @@ GROUPS = {
         ],
     ),
     "checkpointing": (
-        ["checkpointing", "checkpoint_model", "segments", "distributed"],
+        ["checkpointing", "checkpoint_model", "segments", "distributed", "shard"],
         ["checkpointing_tradeoff.png", "checkpointing_segments.png"],
     ),
     "saliency": (

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad import _proof
-from effgrad.train import accumulate, compact
+from effgrad.train import accumulate, compact, shard
 from effgrad.train.compact import codec
 
 EXAMPLES = [
@@ -30,6 +30,7 @@ EXAMPLES = [
     codec,
     _proof,
     accumulate.Accumulators,
+    shard,
 ]
 
 

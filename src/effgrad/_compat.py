@@ -44,7 +44,12 @@ __all__ = [
     "variable_key",
     "optimizer_strategy",
     "LayerCall",
+    "show_built_for",
+    "collective_arguments",
+    "collective_launchers",
+    "current_device",
     "dynamic_update_slice",
+    "exclude_from_weight_decay_as",
     "flatten_layers",
     "hook_method",
     "in_xla_context",
@@ -66,10 +71,12 @@ __all__ = [
     "replaced",
     "rnn_loop",
     "seed_states",
+    "SavedAsVariable",
     "set_compiled_optimizer",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
     "stop_recording",
+    "track_variable",
 ]
 
 TESTED = "TensorFlow 2.21 / Keras 3.15"
@@ -144,6 +151,14 @@ if not any(
 ):  # pragma: no cover
     raise _missing("keras Optimizer._learning_rate", AttributeError("not found"))
 
+
+try:
+    # Keras's own attribute tracking (what an optimizer adds to .variables), switched off around an assignment.
+    from keras.src.utils import tracking as _keras_tracking
+except ImportError as _err:  # pragma: no cover
+    raise _missing("keras.src.utils.tracking", _err) from _err
+if not hasattr(_keras_tracking, "DotNotTrackScope"):  # pragma: no cover
+    raise _missing("keras.src.utils.tracking.DotNotTrackScope", AttributeError("not found"))
 
 try:
     # compile()'s loss: its per-output terms (path, loss, loss_weights, name).
@@ -391,6 +406,13 @@ if not all(hasattr(keras.optimizers.Optimizer, a) for a in ("_var_key", "_get_va
 def built_for(optimizer) -> list:
     """The variables a built Keras optimizer keeps state for, in its order."""
     return list(optimizer._trainable_variables)
+
+
+def show_built_for(optimizer, variables) -> None:
+    """Makes ``variables`` the ones a built optimizer lists (and its checkpoint saves, as
+    ``optimizer/_trainable_variables/i``); the update still finds its state by the variables it was built on."""
+    with _keras_tracking.DotNotTrackScope():  # not into optimizer.variables (TensorFlow's tracking still sees it)
+        optimizer._trainable_variables = list(variables)
 
 
 def own_variables(layer) -> list:
@@ -683,3 +705,96 @@ def attention_internals(layer, family: str) -> dict:
                 "sliding": sliding}  # fmt: skip
     return {"softmax": layer.softmax, "seeds": getattr(layer.dropout_layer, "seed_generator", None),
             "fused": layer._use_fused_attention_op(), "sliding": sliding}  # fmt: skip
+
+
+# ------------------------------------------------- sharded optimizer state (effgrad.train.shard)
+try:
+    # The collective ops MirroredStrategy and MultiWorkerMirroredStrategy synchronize replicas with:
+    # one launcher per local device (its group, instance keys and ordering token). effgrad issues
+    # its reduce-scatter (an all-to-all: the CPU has no reduce-scatter kernel) and all-gather on them.
+    from tensorflow.python.distribute import device_util as _device_util
+    from tensorflow.python.distribute.cross_device_ops import CollectiveAllReduce as _CollectiveAllReduce
+    from tensorflow.python.distribute.cross_device_utils import CollectiveReplicaLauncher as _Launcher
+except ImportError as _err:  # pragma: no cover
+    raise _missing("tensorflow.python.distribute CollectiveAllReduce / CollectiveReplicaLauncher", _err) from _err
+if (
+    "_launchers" not in _CollectiveAllReduce.__init__.__code__.co_names
+    or not {"_group_key", "_group_size", "_device", "_options"} <= set(_Launcher.__init__.__code__.co_names)
+    or not all(callable(getattr(_Launcher, a, None)) for a in ("_next_instance_key", "_get_ordering_token"))
+):  # pragma: no cover
+    raise _missing("CollectiveAllReduce._launchers / CollectiveReplicaLauncher keys", AttributeError("not found"))
+if not any(
+    "_serialize_to_tensors" in vars(c) for c in keras.Variable.__mro__ if c.__module__.startswith("keras")
+) or not any("_track_variable" in vars(c) for c in keras.optimizers.Optimizer.__mro__):  # pragma: no cover
+    raise _missing("keras Variable._serialize_to_tensors / Optimizer._track_variable", AttributeError("not found"))
+
+
+def collective_launchers(strategy) -> dict | None:
+    """``{device: launcher}`` of the collective ops ``strategy``'s replicas run on, or None (no collectives).
+
+    MirroredStrategy keeps them even when its all-reduce is NCCL's (``_collective_ops``);
+    MultiWorkerMirroredStrategy's all-reduce is them (``_cross_device_ops``).
+    """
+    extended = strategy.extended
+    for name in ("_collective_ops", "_cross_device_ops"):
+        ops = getattr(extended, name, None)
+        if isinstance(ops, _CollectiveAllReduce):
+            return {_device_util.canonicalize(launcher._device): launcher for launcher in ops._launchers}
+    return None
+
+
+def current_device() -> str:
+    """The canonical device ops are placed on here (a replica's, in replica or update context)."""
+    return _device_util.canonicalize(_device_util.current() or "/device:CPU:0")
+
+
+def collective_arguments(launcher) -> dict:
+    """Keyword arguments of a ``tf.raw_ops.Collective*V2`` op on the launcher's group and device.
+
+    Each call takes the next instance key (assigned when the function runs, as tf.distribute's own
+    collectives are): every replica must issue the same collectives in the same order.
+    """
+    token = launcher._get_ordering_token()
+    options = launcher._options
+    return {
+        "group_size": launcher._group_size,
+        "group_key": launcher._group_key,
+        "instance_key": launcher._next_instance_key(),
+        "ordering_token": [] if token is None else [token],
+        "communication_hint": options.implementation.value,
+        "timeout_seconds": float(options.timeout_seconds or 0),
+    }
+
+
+class SavedAsVariable(keras.Variable):
+    """A ``keras.Variable`` checkpointed as another tensor than the one it stores.
+
+    TensorFlow's checkpoints (``tf.train.Checkpoint``) read a trackable's value through its
+    ``_serialize_to_tensors`` and write it back through ``_restore_from_tensors``; these route both
+    to :meth:`saved_value` and :meth:`restore_saved_value`, which subclasses define.
+    """
+
+    def saved_value(self) -> tf.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def restore_saved_value(self, value) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.saved_value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.restore_saved_value(restored_tensors["VARIABLE_VALUE"])
+
+
+def track_variable(optimizer, variable) -> None:
+    """Adds ``variable`` to ``optimizer.variables`` (saved with it), as its ``add_variable`` does."""
+    optimizer._track_variable(variable)
+
+
+def exclude_from_weight_decay_as(optimizer, variable, model_variable) -> None:
+    """Excludes ``variable`` from weight decay if ``optimizer.exclude_from_weight_decay(var_list=...)``
+    named ``model_variable`` (the public method replaces every exclusion at once). Before ``build``."""
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    if excluded and optimizer._var_key(model_variable) in excluded:
+        excluded.add(optimizer._var_key(variable))

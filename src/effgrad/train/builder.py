@@ -117,6 +117,15 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               optimizer's iteration), and is divided by the number of
               examples. ``noise_multiplier=0`` clips without noise. See
               ``docs/privacy.md`` and :func:`effgrad.privacy.epsilon`.
+            * ``shard_state``: under MirroredStrategy or MultiWorkerMirroredStrategy
+              with N replicas, each replica keeps 1/N of the optimizer state and
+              of the reduced gradients (ZeRO stages 1 and 2): gradients are
+              reduce-scattered, each replica updates its shard of every large
+              variable and the weights are all-gathered
+              (:mod:`effgrad.train.shard`). Same updates; checkpoints hold the
+              whole state, so they restore with any number of replicas. With
+              one replica it is a no-op; ``step.shard_state`` and
+              ``step.shard_state_reason`` say what was done.
 
     Returns:
         A :class:`TrainStep`; call it as ``step(x, y, sample_weight=None)``.

@@ -94,6 +94,10 @@ def _attach(model, given: dict, forward, accumulators=None) -> keras.Model:
     ``checkpoint_model`` of it sharing its variables); ``accumulators``: the plan's, which the step
     takes as they were allocated (the plan's peaks were measured with them)."""
     StepOptions(**given)  # every bad option is refused before the model is touched
+    if given.get("shard_state") and not model.built:  # fit would build the whole optimizer state first
+        raise ValueError(
+            "attach(shard_state=True) needs a built model: call model.build(input_shape) or model(x) first."
+        )
     objective = objective_lib.Objective.of_compiled(model, given.get("reduction"))
     options = {
         "strategy": model.distribute_strategy,

@@ -56,8 +56,12 @@ class StepOptions:
     per_example_clip: float | None = None
     noise_multiplier: float | None = None
     seed: int | None = None
+    # ZeRO stages 1 and 2: each replica keeps 1/N of the optimizer state and reduced gradients (train.shard).
+    shard_state: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.shard_state, bool):
+            raise ValueError(f"shard_state must be True or False, got {self.shard_state!r}.")
         for name in ("fused_update", "fused_loss", "attention"):
             value = getattr(self, name)
             if value not in (True, False, "auto") or not isinstance(value, (bool, str)):

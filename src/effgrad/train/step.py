@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from effgrad import _checks, distribute
 from effgrad.attention import routing as attention_routing
-from effgrad.train import accumulate, flows, fused_loss, fused_update, noise_scale, update
+from effgrad.train import accumulate, flows, fused_loss, fused_update, noise_scale, shard, update
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
 from effgrad.train.options import StepOptions
@@ -142,6 +142,9 @@ class TrainStep:
             ``fused_loss_reason`` says why (not). None until the first call.
         attention: Whether attention layers compute with :func:`effgrad.attention`
             (``attention=`` option); ``attention_reason`` says which and why. None until the first call.
+        shard_state: Whether each replica keeps 1/N of the optimizer state and
+            reduced gradients (``shard_state=True`` with several replicas);
+            ``shard_state_reason`` says what was done and why.
     """
 
     def __init__(self, model, loss, optimizer, *, accumulators: accumulate.Accumulators | None = None, **options):
@@ -178,6 +181,10 @@ class TrainStep:
             )
         self._micro_batches = self.options.micro_batches
         self._check_noise_scale(self._micro_batches)
+        self.shard_state, self.shard_state_reason = shard.decide(self.options, self.strategy, self.optimizer)
+        self._shards: shard.Shards | None = None  # made with the variables (_prepare)
+        if self.options.shard_state:
+            _log.info("effgrad: %s", self.shard_state_reason)
         self._forward_model = model  # the model, or its trunk when the loss is fused with its last layer
         self.fused_loss: bool | None = None
         self.fused_loss_reason = ""
@@ -251,6 +258,9 @@ class TrainStep:
                 "nothing; build the model first or unfreeze layers (layer.trainable = True)."
             )
         with self.strategy.scope():
+            if self.shard_state:  # the optimizer's state is built on this replica's shards
+                self._shards = shard.Shards.of(self.strategy, self.optimizer, self._keras_loss_scale, variables)
+                self.shard_state_reason = f"{self.shard_state_reason}: {self._shards.plan.summary}"
             if self._keras_loss_scale is not None and not self._keras_loss_scale.built:
                 self._keras_loss_scale.build(variables)  # builds the inner optimizer too
             if not self.optimizer.built:
@@ -476,19 +486,25 @@ class TrainStep:
         variables = self.model.trainable_variables
         connected = [i for i, g in enumerate(gradients.grads) if g is not None or i in gradients.reg_grads]
         update.warn_unconnected(variables, connected)
-        # A variable reached only by its regularizer: its loss gradient is 0.
-        raw = [tf.zeros(variables[i].shape, tf.float32) if gradients.grads[i] is None else gradients.grads[i]
-               for i in connected]  # fmt: skip
-        # B_local differs per replica, so with several replicas it is applied
-        # before the sum; with one, it joins the single pass of the update.
         several = ctx.num_replicas_in_sync > 1
         local_rows = gradients.local_rows
-        if several:
-            raw = [g * local_rows for g in raw]
-        raw, total, normalizer, noise = distribute.sum_across_replicas(
-            ctx, (raw, gradients.total, gradients.normalizer, gradients.noise)
-        )
+        sums = (gradients.total, gradients.normalizer, gradients.noise)
+        if self._shards is not None:  # each replica keeps its shard of the cut variables' sums
+            raw, total, normalizer, noise = self._shards.reduce(
+                ctx, [variables[i] for i in connected], [gradients.grads[i] for i in connected], local_rows, sums
+            )  # fmt: skip
+        else:
+            # A variable reached only by its regularizer: its loss gradient is 0.
+            raw = [tf.zeros(variables[i].shape, tf.float32) if gradients.grads[i] is None else gradients.grads[i]
+                   for i in connected]  # fmt: skip
+            # B_local differs per replica, so with several replicas it is applied
+            # before the sum; with one, it joins the single pass of the update.
+            if several:
+                raw = [g * local_rows for g in raw]
+            raw, total, normalizer, noise = distribute.sum_across_replicas(ctx, (raw, *sums))
         step_update = self._update(raw, gradients.reg_grads, connected, local_rows, normalizer, several, micro_batches)
+        if self._shards is not None:  # one finiteness verdict and global norm from the shards
+            step_update = self._shards.agree(ctx, step_update, [variables[i] for i in connected])
         finite = step_update.finite()
         normalization = self._normalization()
         loss = objective_lib.normalize(total, normalizer, normalization) + gradients.reg_loss
@@ -551,7 +567,8 @@ class TrainStep:
         accumulators,
     ):  # fmt: skip
         """Cross-replica: apply the agreed update and commit forward-pass state, or change nothing."""
-        applied = update.apply_or_skip(
+        apply_or_skip = update.apply_or_skip if self._shards is None else self._shards.apply_or_skip
+        applied = apply_or_skip(
             strategy,
             self.optimizer,
             step_update,

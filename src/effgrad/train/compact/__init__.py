@@ -49,7 +49,7 @@ Trap:
 """
 
 from effgrad.train.compact.codec import dequantize, quantize
-from effgrad.train.compact.optimizer import DTYPES, compact_state
+from effgrad.train.compact.optimizer import DTYPES, compact_state, elementwise
 from effgrad.train.compact.slot import CompactSlot
 
-__all__ = ["compact_state", "CompactSlot", "quantize", "dequantize", "DTYPES"]
+__all__ = ["compact_state", "CompactSlot", "quantize", "dequantize", "DTYPES", "elementwise"]

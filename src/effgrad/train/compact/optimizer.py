@@ -51,7 +51,8 @@ class _CompactState(_compat.SlotsOfStandIns):
         return 2 if self.compact_dtype == "int8" else 1
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        size = math.prod(reference_variable.shape)
+        # A replica's shard of a variable (shard_state) is stored as the whole variable would be.
+        size = getattr(reference_variable, "unsharded_size", None) or math.prod(reference_variable.shape)
         if name in FLOAT32_SLOTS or size < self.min_size or not keras.backend.is_float_dtype(reference_variable.dtype):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         path = getattr(reference_variable, "path", reference_variable.name)
@@ -252,6 +253,16 @@ def _compact_class(base):
 
 
 _CLASSES = {base: _compact_class(base) for base in optimizers.PER_VARIABLE}
+
+
+def elementwise(optimizer) -> bool:
+    """Whether ``optimizer`` updates each number from that number alone (it may update a variable in parts).
+
+    Keras's own elementwise optimizers (exact classes: a subclass may compute anything) and their
+    :func:`compact_state` versions.
+    """
+    cls = type(optimizer)
+    return cls in optimizers.ELEMENTWISE or any(cls is _CLASSES[base] for base in optimizers.ELEMENTWISE)
 
 
 def compact_state(

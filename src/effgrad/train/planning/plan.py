@@ -155,10 +155,19 @@ def plan(
     for name in ("micro_batches",):
         if name in step_options:
             raise TypeError(f"plan() chooses {name}; do not pass it.")
-    options = StepOptions(**step_options)
+    options = plannable(StepOptions(**step_options))
     return make_plan(
         model, loss, optimizer, (x, y, sample_weight), memory.parse_budget(memory_budget), options, margin, verbose
     )
+
+
+def plannable(options: StepOptions) -> StepOptions:
+    """``options``, or a ``ValueError`` for what the planner does not measure."""
+    if options.shard_state:
+        raise ValueError(
+            "shard_state=True is not planned (the planner measures unsharded steps): give micro_batches=k."
+        )
+    return options
 
 
 def make_plan(

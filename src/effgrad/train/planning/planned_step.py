@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from effgrad import memory
 from effgrad.train.options import StepOptions
-from effgrad.train.planning.plan import MemoryPlan, make_plan
+from effgrad.train.planning.plan import MemoryPlan, make_plan, plannable
 from effgrad.train.step import TrainStep
 
 __all__ = ["PlannedTrainStep"]
@@ -30,7 +30,7 @@ class PlannedTrainStep(TrainStep):
                 "micro_batches='auto' needs memory_budget=... (bytes, '6GiB', or a fraction of the device)."
             )
         self.budget_bytes = memory.parse_budget(memory_budget)
-        checked = StepOptions(**options)
+        checked = plannable(StepOptions(**options))
         self._planning = (loss, optimizer, checked, margin, verbose)
         self.plan: MemoryPlan | None = None
         # Until it plans: the plain step (the noise scale's two micro-batches are the plan's to choose).
