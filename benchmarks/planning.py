@@ -26,6 +26,7 @@ measurement is a fresh process:
 from __future__ import annotations
 
 import gc
+import json
 import time
 
 from benchmarks import common
@@ -247,9 +248,15 @@ def _mib(nbytes):
     return None if nbytes is None else nbytes / 2**20
 
 
-def run(quick: bool = False) -> dict:
-    halves = {"quick": ["quick"]} if quick else {"calibration": CALIBRATION, "validation": VALIDATION}
-    rows = []
+def run(quick: bool = False, halves: tuple[str, ...] = ("calibration", "validation")) -> dict:
+    """Runs ``halves`` (``python -c "from benchmarks import planning; planning.run(halves=('validation',))"``
+    runs one); the published table keeps the rows of the halves not run."""
+    matrix = {"calibration": CALIBRATION, "validation": VALIDATION}
+    halves = {"quick": ["quick"]} if quick else {half: matrix[half] for half in halves}
+    published = common.RESULTS / "planning.json"
+    rows = [] if quick or not published.exists() else [
+        row for row in json.loads(published.read_text())["rows"] if row["half"] not in halves
+    ]  # fmt: skip
     for half, models in halves.items():
         for model in models:
             probe = common.run_isolated(MODULE, {"model": model, "role": "probe"}, timeout=3600)
@@ -307,6 +314,7 @@ def run(quick: bool = False) -> dict:
         ("vs_fastest", "time / fastest", ".2f"),
         ("refusal_right", "refusal right", ""),
     ]
+    rows.sort(key=lambda row: row["half"] == "validation")  # calibration first, whichever ran last
     return common.publish(
         "planning", "Planning on a matrix of architectures (calibration and validation halves)", rows, columns
     )

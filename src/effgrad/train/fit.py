@@ -29,10 +29,11 @@ from effgrad import _compat, memory
 from effgrad.train import accumulate
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
+from effgrad.train.batches import shape_hint
 from effgrad.train.builder import planned
 from effgrad.train.options import PLANNER_OPTIONS, StepOptions
 from effgrad.train.planning.plan import make_plan
-from effgrad.train.step import TrainStep, batch_shape
+from effgrad.train.step import TrainStep
 
 __all__ = ["attach"]
 
@@ -257,12 +258,12 @@ def _first_batch_shape(x, batch_size) -> tuple[int, int] | None:
         spec = x.element_spec
         spec = spec[0] if isinstance(spec, tuple) else spec  # (x, y[, sample_weight]): x alone
         if all(t.shape.is_fully_defined() for t in tf.nest.flatten(spec)):
-            return batch_shape(spec)
+            return shape_hint(spec)
         first = next(iter(x.take(1)), None)
-        return None if first is None else batch_shape(keras.utils.unpack_x_y_sample_weight(first)[0])
+        return None if first is None else shape_hint(keras.utils.unpack_x_y_sample_weight(first)[0])
     leaves = tf.nest.flatten(x)
     if leaves and all(getattr(leaf, "shape", None) for leaf in leaves):
-        rows, extent = batch_shape(x) or (0, 1)
+        rows, extent = shape_hint(x) or (0, 1)
         return min(batch_size or 32, rows), extent
     return None
 

@@ -40,12 +40,12 @@ import tensorflow as tf
 
 from effgrad import _checks, distribute
 from effgrad.attention import routing as attention_routing
-from effgrad.train import accumulate, flows, fused_loss, fused_update, noise_scale, shard, update
+from effgrad.train import accumulate, batches, flows, fused_loss, fused_update, noise_scale, shard, update
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
 from effgrad.train.options import StepOptions
 
-__all__ = ["TrainStep", "batch_shape"]
+__all__ = ["TrainStep"]
 
 _log = logging.getLogger("effgrad")
 
@@ -53,42 +53,6 @@ _log = logging.getLogger("effgrad")
 # collapsed scale; reading it every call would force a device sync.
 _COLLAPSE_CHECK_EVERY = 10
 _COLLAPSE_STREAK = 10
-
-
-def _leading_dims(nest) -> list[int]:
-    return [int(t.shape[0]) for t in tf.nest.flatten(nest) if t is not None and t.shape.rank and t.shape[0] is not None]
-
-
-def _check_batch_sizes(x, y, sample_weight) -> None:
-    sizes = {name: set(_leading_dims(t)) for name, t in (("x", x), ("y", y), ("sample_weight", sample_weight))}
-    if len(sizes["x"]) > 1:
-        raise ValueError(f"The tensors of x have different batch sizes {sorted(sizes['x'])}; they must share dim 0.")
-    every = set().union(*sizes.values())
-    if len(every) > 1:
-        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in sizes.items() if v)
-        raise ValueError(f"x, y and sample_weight must have the same batch size (dim 0), got {detail}.")
-
-
-def batch_shape(x) -> tuple[int, int] | None:
-    """``(rows, largest other axis)`` of a batch's static shapes (e.g. ``(8, 256)`` for ``[8, 256]`` token ids)."""
-    leaves = [t for t in tf.nest.flatten(x) if t is not None and len(getattr(t, "shape", ())) > 0]
-    if not leaves or leaves[0].shape[0] is None:
-        return None
-    extent = max([int(d) for t in leaves for d in t.shape[1:] if d is not None] or [1])
-    return int(leaves[0].shape[0]), extent
-
-
-def _as_tensors(nest):
-    return tf.nest.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), nest)
-
-
-def _relaxed_spec(t):
-    if t is None:
-        return None
-    shape = t.shape.as_list()
-    if not shape:
-        raise ValueError("Inputs need a leading batch dimension; got a scalar.")
-    return tf.TensorSpec([None] + shape[1:], t.dtype)
 
 
 def _unwrap_optimizer(optimizer):
@@ -299,7 +263,7 @@ class TrainStep:
 
     def _decide(self, x, y=None) -> None:
         """At the first trace: whether the loss is fused with the last layer, and updates with backprop."""
-        hint = self.batch_hint or batch_shape(x)
+        hint = self.batch_hint or batches.shape_hint(x)
         if self.fused_loss is None:
             head, self.fused_loss_reason = fused_loss.decide(
                 self.options, self._objective, self.model, hint, private=self.options.private, y=y
@@ -327,8 +291,8 @@ class TrainStep:
         """
         distributed = isinstance(x, tf.distribute.DistributedValues)
         if not distributed:
-            x, y, sample_weight = _as_tensors((x, y, sample_weight))
-            _check_batch_sizes(x, y, sample_weight)
+            x, y, sample_weight = batches.as_tensors((x, y, sample_weight))
+            batches.check_sizes(x, y, sample_weight)
         if not self.ready:
             self.prepare(x)
         # The number of micro-batches is a tensor, so every k shares one trace once the step has
@@ -339,8 +303,8 @@ class TrainStep:
         k_arg = tf.constant(k, tf.int32) if runtime_k else k
         if not distributed:
             if self.batch_hint is None:
-                self.batch_hint = batch_shape(x)
-            specs = tf.nest.map_structure(_relaxed_spec, (x, y, sample_weight))
+                self.batch_hint = batches.shape_hint(x)
+            specs = tf.nest.map_structure(batches.relaxed_spec, (x, y, sample_weight))
             k_spec = tf.TensorSpec([], tf.int32) if runtime_k else k
             key = repr((specs, runtime_k or k))
             if key not in self._signatures:

@@ -1,0 +1,120 @@
+"""TensorFlow internals: tape and XLA ops, gradient functions, control inputs, the eager context, collectives."""
+
+from __future__ import annotations
+
+import keras  # noqa: F401
+import tensorflow as tf
+
+from effgrad._compat.versions import missing as _missing
+
+__all__ = [
+    "add_control_input",
+    "collective_arguments",
+    "collective_launchers",
+    "context_started",
+    "current_device",
+    "dynamic_update_slice",
+    "gradient_function",
+    "in_xla_context",
+    "optimization_barrier",
+    "stop_recording",
+]
+
+
+try:
+    # Runs a checkpointed forward pass without recording it on any tape.
+    # Keeps grappler from merging a recompute back into the forward pass; writes a block at a
+    # traced offset in place under XLA (the fused loss's kernel gradient).
+    from tensorflow.compiler.tf2xla.python.xla import dynamic_update_slice, optimization_barrier
+    from tensorflow.python.eager.record import stop_recording
+
+    # Tells whether a graph is being compiled by XLA (the recompute guard differs).
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
+except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an untested TF
+    raise _missing("tensorflow.python.eager.record / control_flow_util / tf2xla xla ops", _err) from _err
+
+try:
+    # The registered gradient function of a graph op: fused_update makes a weight's gradient from the
+    # gradient of one use's output, as backprop would.
+    from tensorflow.python.framework.ops import get_gradient_function as gradient_function
+except ImportError as _err:  # pragma: no cover
+    raise _missing("tensorflow.python.framework.ops.get_gradient_function", _err) from _err
+if not callable(getattr(tf.Operation, "_add_control_input", None)):  # pragma: no cover
+    raise _missing("tf.Operation._add_control_input", AttributeError("not found"))
+
+
+def add_control_input(op, control) -> None:
+    """Makes graph op ``op`` (already made) wait for ``control``: backprop paced by the updates it feeds."""
+    op._add_control_input(control)
+
+
+def context_started() -> bool:
+    """Whether TensorFlow's eager context (devices, allocators) has started.
+
+    TensorFlow reads ``TF_CPU_ALLOCATOR_USE_BFC`` when its context starts (the
+    first op or device query), not at ``import tensorflow`` (measured on
+    2.21): until then effgrad can still turn CPU allocator statistics on.
+    """
+    from tensorflow.python.eager import context
+
+    return bool(getattr(context.context(), "_initialized", True))
+
+
+def in_xla_context() -> bool:
+    """True while tracing inside a function compiled with XLA."""
+    return bool(_in_xla(tf.compat.v1.get_default_graph()))
+
+
+# ------------------------------------------------- sharded optimizer state (effgrad.train.shard)
+try:
+    # The collective ops MirroredStrategy and MultiWorkerMirroredStrategy synchronize replicas with:
+    # one launcher per local device (its group, instance keys and ordering token). effgrad issues
+    # its reduce-scatter (an all-to-all: the CPU has no reduce-scatter kernel) and all-gather on them.
+    from tensorflow.python.distribute import device_util as _device_util
+    from tensorflow.python.distribute.cross_device_ops import CollectiveAllReduce as _CollectiveAllReduce
+    from tensorflow.python.distribute.cross_device_utils import CollectiveReplicaLauncher as _Launcher
+except ImportError as _err:  # pragma: no cover
+    raise _missing("tensorflow.python.distribute CollectiveAllReduce / CollectiveReplicaLauncher", _err) from _err
+if (
+    "_launchers" not in _CollectiveAllReduce.__init__.__code__.co_names
+    or not {"_group_key", "_group_size", "_device", "_options"} <= set(_Launcher.__init__.__code__.co_names)
+    or not all(callable(getattr(_Launcher, a, None)) for a in ("_next_instance_key", "_get_ordering_token"))
+):  # pragma: no cover
+    raise _missing("CollectiveAllReduce._launchers / CollectiveReplicaLauncher keys", AttributeError("not found"))
+
+
+def collective_launchers(strategy) -> dict | None:
+    """``{device: launcher}`` of the collective ops ``strategy``'s replicas run on, or None (no collectives).
+
+    MirroredStrategy keeps them even when its all-reduce is NCCL's (``_collective_ops``);
+    MultiWorkerMirroredStrategy's all-reduce is them (``_cross_device_ops``).
+    """
+    extended = strategy.extended
+    for name in ("_collective_ops", "_cross_device_ops"):
+        ops = getattr(extended, name, None)
+        if isinstance(ops, _CollectiveAllReduce):
+            return {_device_util.canonicalize(launcher._device): launcher for launcher in ops._launchers}
+    return None
+
+
+def current_device() -> str:
+    """The canonical device ops are placed on here (a replica's, in replica or update context)."""
+    return _device_util.canonicalize(_device_util.current() or "/device:CPU:0")
+
+
+def collective_arguments(launcher) -> dict:
+    """Keyword arguments of a ``tf.raw_ops.Collective*V2`` op on the launcher's group and device.
+
+    Each call takes the next instance key (assigned when the function runs, as tf.distribute's own
+    collectives are): every replica must issue the same collectives in the same order.
+    """
+    token = launcher._get_ordering_token()
+    options = launcher._options
+    return {
+        "group_size": launcher._group_size,
+        "group_key": launcher._group_key,
+        "instance_key": launcher._next_instance_key(),
+        "ordering_token": [] if token is None else [token],
+        "communication_hint": options.implementation.value,
+        "timeout_seconds": float(options.timeout_seconds or 0),
+    }
