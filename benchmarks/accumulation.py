@@ -118,7 +118,7 @@ def child(config: dict) -> dict:
 
 def run(quick: bool = False) -> dict:
     if quick:
-        base, batches, optimizers, ks = {"depth": 4, "width": 256, "repeats": 2}, [256], ["sgd"], [1, 4]
+        base, batches, optimizers, ks = {"depth": 1, "width": 32, "repeats": 1}, [32], ["sgd"], [1, 4]
     else:
         base, batches, optimizers, ks = (
             {"depth": 16, "width": 1024, "repeats": 3},

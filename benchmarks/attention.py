@@ -142,11 +142,11 @@ def child(config: dict) -> dict:
 
 def _layer_rows(quick: bool) -> list[dict]:
     shape = {"batch": 1, "heads": 2, "depth": 16} if quick else {"batch": 2, "heads": 8, "depth": 64}
-    lengths = [32, 64] if quick else [512, 1024, 2048, 4096]
+    lengths = [64] if quick else [512, 1024, 2048, 4096]
     rows = []
     for t in lengths:
         configs = [
-            {"kind": "layer", "seq": t, "method": m, "repeats": 2 if quick else 3, **shape}
+            {"kind": "layer", "seq": t, "method": m, "repeats": 1 if quick else 3, **shape}
             for m in ("keras", "effgrad")
         ]
         results = common.run_rounds(MODULE, configs, rounds=1)
@@ -159,7 +159,7 @@ def _layer_rows(quick: bool) -> list[dict]:
     sweep = {64: [16]} if quick else {1024: [64, 128, 256, "auto"], 4096: [128, 256, 512, 1024, "auto"]}
     for t, blocks in sweep.items():
         for block in blocks:
-            config = {"kind": "layer", "seq": t, "method": "effgrad", "block": block, "repeats": 2 if quick else 3}
+            config = {"kind": "layer", "seq": t, "method": "effgrad", "block": block, "repeats": 1 if quick else 3}
             result = common.run_isolated(MODULE, {**config, **shape})
             keras_row = next(r for r in rows if r["seq"] == t and r["method"] == "keras")
             rows.append({"table": "block sweep", "seq": t, "method": f"effgrad block {block}", "block": str(block),
@@ -182,7 +182,7 @@ def _lm_rows(quick: bool) -> list[dict]:
         ]
     rows = []
     for name, base in shapes:
-        configs = [{"kind": "lm", **base, "size": small, "method": m, "repeats": 2 if quick else 3} for m in methods]
+        configs = [{"kind": "lm", **base, "size": small, "method": m, "repeats": 1 if quick else 3} for m in methods]
         results = common.run_rounds(MODULE, configs, rounds=1 if quick else 2)
         group = [{"shape": name, "method": m, **r} for m, r in zip(methods, results)]
         keras_row, unrouted = group[0], group[1]

@@ -95,7 +95,7 @@ def run(quick: bool = False) -> dict:
     methods = METHODS
     if quick:  # seconds, not minutes: one tiny model, three methods
         models = [
-            {"model": "GPT2Backbone", "layers": 2, "heads": 2, "hidden": 32, "sequence": 32, "batch": 2, "repeats": 1}
+            {"model": "GPT2Backbone", "layers": 1, "heads": 2, "hidden": 16, "sequence": 16, "batch": 2, "repeats": 1}
         ]
         methods = ["none", "sqrt segments", "keras.RematScope(full)"]
     else:

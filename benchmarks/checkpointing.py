@@ -91,8 +91,8 @@ def child(config: dict) -> dict:
 def run(quick: bool = False) -> dict:
     if quick:
         models = [
-            {"model": "residual_mlp", "depth": 16, "width": 128, "batch": 256, "repeats": 2},
-            {"model": "cnn", "depth": 4, "channels": 8, "size": 16, "batch": 16, "repeats": 2},
+            {"model": "residual_mlp", "depth": 4, "width": 32, "batch": 32, "repeats": 1},
+            {"model": "cnn", "depth": 2, "channels": 8, "size": 8, "batch": 8, "repeats": 1},
         ]
     else:
         models = [

@@ -33,10 +33,14 @@ _OWN_PROCESS = {"benchmarks.distributed"}
 def run_isolated(module: str, config: dict, timeout: float = 900) -> dict:
     """Runs ``python -m module --child CONFIG`` and returns the dict it reports."""
     if QUICK and module not in _OWN_PROCESS:
+        import gc
         import importlib
 
         import keras
 
+        # What exists now (the imports, earlier configurations' survivors) is left out of the collections:
+        # a full collection of a process holding TensorFlow and Keras costs most of a second.
+        gc.freeze()
         result = importlib.import_module(module).child(config)
         result["host_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         keras.backend.clear_session()  # the next configuration starts without this one's layers and graphs

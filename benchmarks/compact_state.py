@@ -28,20 +28,20 @@ BLOCK = 2048
 
 
 # ---------------------------------------------------------------- quantization
-def _slots_of_a_trained_mlp(epochs):
+def _slots_of_a_trained_mlp(epochs, width=512):
     import keras
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(512, activation="relu")]
+        [keras.Input((64,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(width, activation="relu")]
         + [keras.layers.Dense(10)]
     )
     opt = keras.optimizers.Adam(1e-3)
     model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit((x / 16).astype("float32"), y, batch_size=64, epochs=epochs, verbose=0)
-    return opt._momentums[2].numpy().ravel(), opt._velocities[2].numpy().ravel()  # the 512x512 kernel
+    return opt._momentums[2].numpy().ravel(), opt._velocities[2].numpy().ravel()  # the width x width kernel
 
 
 def _dynamic_tree(signed):
@@ -88,7 +88,7 @@ def _encode(x, scheme):
 def _quantization(quick):
     import numpy as np
 
-    m, v = _slots_of_a_trained_mlp(1 if quick else 3)
+    m, v = _slots_of_a_trained_mlp(1, width=64) if quick else _slots_of_a_trained_mlp(3)  # quick: 2 blocks of 2,048
     update = m / (np.sqrt(v) + 1e-7)
     rows = []
     for scheme in ["int8 linear", "int8 dynamic tree", "int8 square root", "int8 fourth root (effgrad)", "bfloat16"]:
@@ -174,7 +174,7 @@ def _memory(quick):
         ("effgrad fused", "bfloat16"),
     ]
     if quick:  # the code paths, not measurements
-        shapes = [("8 Dense 512x512, batch 16", {**dense, "width": 512, "batch": 16, "repeats": 2}, 1)]
+        shapes = [("1 Dense 512x512, batch 16", {**dense, "depth": 1, "width": 512, "batch": 16, "repeats": 1}, 1)]
         plan = [("keras", "float32"), ("effgrad gathered", "int8"), ("effgrad fused", "bfloat16")]
     rows = []
     for name, base, rounds in shapes:
@@ -193,7 +193,7 @@ def _memory(quick):
 
 
 # ---------------------------------------------------------------- convergence
-def _digits_run(state, seed, epochs):
+def _digits_run(state, seed, epochs, steps=None):
     import keras
     import numpy as np
 
@@ -213,6 +213,8 @@ def _digits_run(state, seed, epochs):
         for i in range(0, len(x) - 63, 64):
             rows = order[i : i + 64]
             losses.append(float(step(x[rows], y[rows])["loss"]))
+            if len(losses) == steps:  # --quick: the first steps of the epoch
+                return losses
     return losses
 
 
@@ -263,7 +265,7 @@ def _lm_run(state, seed, steps):
 
 def _convergence_child(config: dict) -> dict:
     if config["task"] == "digits CNN":
-        return {"losses": _digits_run(config["state"], config["seed"], config["length"])}
+        return {"losses": _digits_run(config["state"], config["seed"], config["length"], config.get("steps"))}
     return {"losses": _lm_run(config["state"], config["seed"], config["length"])}
 
 
@@ -276,10 +278,13 @@ def _convergence(quick):
     rows, curves = [], {}
     for task, length in tasks.items():
         finals = {}
-        for state in ("float32", "int8") if quick else ("float32", "int8", "bfloat16"):
+        # Quick: int8's compiled update (seconds of XLA per variable) runs in the memory rows.
+        for state in ("float32", "bfloat16") if quick else ("float32", "int8", "bfloat16"):
             runs = [
                 common.run_isolated(
-                    MODULE, {"convergence": True, "task": task, "state": state, "seed": s, "length": length}
+                    MODULE,
+                    {"convergence": True, "task": task, "state": state, "seed": s, "length": length}
+                    | ({"steps": 4} if quick else {}),
                 )["losses"]
                 for s in seeds
             ]

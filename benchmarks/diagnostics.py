@@ -117,15 +117,17 @@ def _monitor(config):
 
 def run(quick: bool = False) -> dict:
     base = (
-        {"depth": 4, "width": 256, "batch": 256, "repeats": 2}
+        {"depth": 1, "width": 32, "batch": 64, "repeats": 1}
         if quick
         else {"depth": 16, "width": 1024, "batch": 1024, "repeats": 5}
     )
     configs = [{**base, "kind": "cost", "noise_scale": flag} for flag in (False, True)]
     plain, noisy = common.run_rounds(MODULE, configs, rounds=1 if quick else 3)
-    trajectory = common.run_isolated(MODULE, {"kind": "run", "steps": 40 if quick else 300, "batch": 256})
+    trajectory = common.run_isolated(
+        MODULE, {"kind": "run", "steps": 10 if quick else 300, "batch": 64 if quick else 256}
+    )
     monitors = {
-        leak: common.run_isolated(MODULE, {"kind": "monitor", "leak": leak, "epochs": 3 if quick else 8})
+        leak: common.run_isolated(MODULE, {"kind": "monitor", "leak": leak, "epochs": 2 if quick else 8})
         for leak in (False, True)
     }
     rows = [

@@ -53,7 +53,7 @@ def head_child(config: dict) -> dict:
 
     import effgrad
 
-    rows, depth, vocab = config["rows"], 256, 50257
+    rows, depth, vocab = config["rows"], 256, config.get("vocab", 50257)  # --quick: a smaller vocabulary
     hidden = tf.random.normal([rows, depth])
     kernel = tf.Variable(tf.random.normal([vocab, depth], stddev=0.02))  # tied: [V, d]
     labels = tf.random.uniform([rows], 0, vocab, tf.int32)
@@ -129,8 +129,10 @@ def child(config: dict) -> dict:
 def run(quick: bool = False) -> dict:
     methods = ["keras", "effgrad unfused", "effgrad fused"]
     if quick:
-        shapes = [("classifier 5,000 classes", {"model": "dense", "vocab": 5000, "batch": 64, "repeats": 2})]
-        sweep = [1000, 4000]
+        shapes = [
+            ("classifier 1,000 classes", {"model": "dense", "vocab": 1000, "batch": 16, "features": 32, "repeats": 1})
+        ]
+        sweep = [2000]
     else:
         shapes = [
             ("GPT2CausalLM T=256 batch 8", {"model": "gpt2", "vocab": 50257, "seq": 256, "batch": 8, "repeats": 5}),
@@ -153,7 +155,8 @@ def run(quick: bool = False) -> dict:
     for vocab in sweep:
         for method in methods[1:]:
             # LM-shaped: many positions (2,048) on a narrow projection (64), as a causal LM's batch * T
-            config = {"model": "dense", "vocab": vocab, "batch": 2048, "features": 64, "repeats": 1, "method": method}
+            batch = 256 if quick else 2048
+            config = {"model": "dense", "vocab": vocab, "batch": batch, "features": 64, "repeats": 1, "method": method}
             result = common.run_isolated(MODULE, config)
             rows.append({"shape": f"classifier sweep {vocab}", "vocab": vocab, "method": method, **result})
     title = (
@@ -179,11 +182,11 @@ def run(quick: bool = False) -> dict:
 def head_table(quick: bool = False) -> dict:
     """The head and loss alone (GPT-2's tied [50,257, 256] projection): what they add to memory."""
     rows = []
-    for positions in [256] if quick else [2048, 4096]:
+    for positions in [64] if quick else [2048, 4096]:
         group = [
             {"positions": positions, "method": method, **common.run_isolated(MODULE, config)}
             for method in ("effgrad unfused", "effgrad fused")
-            for config in [{"model": "head", "rows": positions, "method": method}]
+            for config in [{"model": "head", "rows": positions, "method": method} | ({"vocab": 5000} if quick else {})]
         ]
         for row in group:
             row["beyond_gradients_mib"] = row["transient_mib"] - row["gradients_mib"]

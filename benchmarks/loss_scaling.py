@@ -53,7 +53,7 @@ def child(config: dict) -> dict:
 
 def run(quick: bool = False) -> dict:
     base = (
-        {"depth": 3, "width": 256, "batch": 128, "repeats": 3}
+        {"depth": 1, "width": 32, "batch": 32, "repeats": 1}
         if quick
         else {"depth": 8, "width": 1024, "batch": 512, "repeats": 5}
     )

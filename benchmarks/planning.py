@@ -49,9 +49,9 @@ def _setup(kind: str):
     app = dict(weights=None, classes=10, classifier_activation=None)  # logits, as the loss takes them
     adam, sgd = keras.optimizers.Adam(1e-4), keras.optimizers.SGD(0.01, momentum=0.9)
     if kind == "quick":
-        layers = [keras.Input((32,))] + [keras.layers.Dense(256, activation="relu") for _ in range(6)]
+        layers = [keras.Input((16,))] + [keras.layers.Dense(32, activation="relu") for _ in range(3)]
         model = keras.Sequential([*layers, keras.layers.Dense(4)])
-        return model, rng.normal(size=(1024, 32)).astype("float32"), rng.integers(0, 4, 1024), loss, adam
+        return model, rng.normal(size=(256, 16)).astype("float32"), rng.integers(0, 4, 256), loss, adam
     if kind == "plain_cnn":
         layers = [keras.Input((32, 32, 3))]
         for width in (32, 32, 64, 64, 128, 128):
@@ -248,14 +248,19 @@ def _mib(nbytes):
     return None if nbytes is None else nbytes / 2**20
 
 
-def run(quick: bool = False, halves: tuple[str, ...] = ("calibration", "validation")) -> dict:
-    """Runs ``halves`` (``python -c "from benchmarks import planning; planning.run(halves=('validation',))"``
-    runs one); the published table keeps the rows of the halves not run."""
+def run(
+    quick: bool = False,
+    halves: tuple[str, ...] = ("calibration", "validation"),
+    budgets: tuple[str, ...] = ("roomy", "tight", "impossible"),
+) -> dict:
+    """Runs ``halves`` at ``budgets`` (``python -c "from benchmarks import planning;
+    planning.run(halves=('validation',))"`` runs one); the published table keeps the rows of the halves not run."""
+    chosen_budgets = budgets
     matrix = {"calibration": CALIBRATION, "validation": VALIDATION}
     halves = {"quick": ["quick"]} if quick else {half: matrix[half] for half in halves}
     published = common.RESULTS / "planning.json"
     rows = [] if quick or not published.exists() else [
-        row for row in json.loads(published.read_text())["rows"] if row["half"] not in halves
+        row for row in json.loads(published.read_text())["rows"] if row.get("half") in set(matrix) - set(halves)
     ]  # fmt: skip
     for half, models in halves.items():
         for model in models:
@@ -266,6 +271,9 @@ def run(quick: bool = False, halves: tuple[str, ...] = ("calibration", "validati
                 "tight": int(smallest + 0.5 * (probe["plain"] - smallest)),
                 "impossible": int(0.9 * smallest),
             }
+            if quick:  # a plan (tight: the search, not its first measurement) and a refusal
+                del budgets["roomy"]
+            budgets = {name: size for name, size in budgets.items() if name in chosen_budgets}
             for name, budget in budgets.items():
                 row = {"half": half, "model": model, "budget": name, "budget_mib": _mib(budget)}
                 row.update(first_s=probe["first_s"], plain_mib=_mib(probe["plain"]), smallest_mib=_mib(smallest))

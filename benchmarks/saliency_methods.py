@@ -82,7 +82,7 @@ def child(config: dict) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    sizes = [128] if quick else [2_000]
+    sizes = [32] if quick else [2_000]
     rows = []
     for method, kinds in KINDS.items():
         kinds = ["effgrad"] if quick else kinds  # quick: it runs, peers are for real runs

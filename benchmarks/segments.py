@@ -13,7 +13,7 @@ from benchmarks import checkpointing, common
 
 def run(quick: bool = False) -> dict:
     if quick:
-        config, counts = {"model": "residual_mlp", "depth": 16, "width": 128, "batch": 256, "repeats": 2}, [1, 4, 16]
+        config, counts = {"model": "residual_mlp", "depth": 4, "width": 32, "batch": 32, "repeats": 1}, [1, 4]
     else:
         config = {"model": "residual_mlp", "depth": 64, "width": 256, "batch": 1024, "repeats": 3}
         counts = [1, 2, 4, 8, 16, 32, 64]

@@ -217,7 +217,7 @@ def _runs(config: dict, shards: list, weights_file: str) -> list[list[dict]]:
 
 def _configs(quick: bool) -> list[dict]:
     if quick:
-        return [{"model": "dense", "depth": 2, "width": 256, "batch": 8, "repeats": 1, "workers": 2}]
+        return [{"model": "dense", "depth": 1, "width": 64, "batch": 8, "repeats": 1, "workers": 2}]
     dense = {"model": "dense", "depth": 8, "width": 2048, "batch": 64, "repeats": 5}
     gpt2 = {
         "model": "gpt2",

@@ -129,7 +129,7 @@ def _configs(quick: bool) -> list[tuple[str, dict]]:
         "repeats": 2,
     }
     if quick:
-        return [("8x512 Dense, batch 16", {**dense, "width": 512, "batch": 16, "repeats": 2})]
+        return [("2x64 Dense, batch 8", {**dense, "depth": 2, "width": 64, "batch": 8, "repeats": 1})]
     return [("8 Dense 2048x2048, batch 64", dense), ("GPT2Backbone 12x768, T=128, batch 2", gpt2)]
 
 

@@ -29,6 +29,7 @@ from benchmarks.saliency import fresh, sweep, with_ratios
 MODULE = "benchmarks.token_attribution"
 KINDS = ["tape_loop", "effgrad", "effgrad_npy"]
 VOCAB, T, BATCH = 5_000, 64, 64
+LAYERS = 1 if common.QUICK else 2  # --quick: the code paths on one transformer layer
 
 
 def bert_classifier():
@@ -37,7 +38,12 @@ def bert_classifier():
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=64, intermediate_dim=128, max_sequence_length=T
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        max_sequence_length=T,
     )
     return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
 
@@ -118,13 +124,13 @@ def child(config: dict) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    sizes = [128] if quick else [1_024, 4_096, 16_384]
+    sizes = [64] if quick else [1_024, 4_096, 16_384]
     kinds = KINDS[:2] if quick else KINDS  # quick: it runs (the .npy sink runs in the other suites)
     rows = with_ratios(sweep(MODULE, sizes, kinds, {}, {}, rounds=1 if quick else 3), "tape_loop")
-    check = sweep(MODULE, [128 if quick else 256], ["check"], {}, {}, rounds=1)[0]
+    check = sweep(MODULE, [64 if quick else 256], ["check"], {}, {}, rounds=1)[0]
     title = (
         f"Token attribution (L2 of the gradient at the token embedding, arg-max class) on a BERT-shaped "
-        f"classifier (2 layers, hidden 64, T={T}), batch {BATCH}: throughput vs a hand-written tape loop, "
+        f"classifier ({LAYERS} layers, hidden 64, T={T}), batch {BATCH}: throughput vs a hand-written tape loop, "
         "device allocator peak, host max RSS; fresh process per row, fastest of 3 interleaved rounds, tracing "
         f"included. effgrad vs the loop's maps: max abs difference {check['max_abs_diff']:.1e}"
     )

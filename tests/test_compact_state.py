@@ -128,8 +128,7 @@ def test_every_supported_optimizer_updates_like_its_float32_self(rng, base, dtyp
         _assert_close_in_norm(got, ref, tolerance)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-@pytest.mark.parametrize("mode", ["function", "xla", "mirrored"])
+@pytest.mark.parametrize("mode, dtype", [("function", "bfloat16"), ("xla", "int8"), ("mirrored", "int8")])
 def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatch, strategy, dtype, mode):
     x = rng.normal(size=(16, 40)).astype("float32")
     y = rng.normal(size=(16, 3)).astype("float32")
@@ -416,7 +415,7 @@ def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monke
     for state in ("float32", "int8"):
         model = tiny_gpt2_lm(dropout=0.0)
         opt = keras.optimizers.Adam(0.01)
-        opt = effgrad.compact_state(opt, min_size=256) if state == "int8" else opt
+        opt = effgrad.compact_state(opt, min_size=800) if state == "int8" else opt
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         step = effgrad.build_train_step(model, loss, opt, fused_loss=False)
         start = model.backbone.token_embedding.embeddings.numpy()

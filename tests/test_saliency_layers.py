@@ -138,7 +138,7 @@ def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
     def other_job():  # another target: a job of its own, traced (not taken from the job cache)
         found["maps"] = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
 
-    with _compat._INTERCEPTING:  # as while another thread's job is being traced with the layer patched
+    with _compat.keras_layers._INTERCEPTING:  # as while another thread's job is being traced with the layer patched
         worker = threading.Thread(target=other_job)
         worker.start()
         worker.join(timeout=8)  # alone, the job takes ~2 s
