@@ -59,13 +59,8 @@ def _setup(kind: str):
         layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
         return keras.Sequential(layers), images(64, 32), rng.integers(0, 10, 64), loss, sgd
     if kind == "resnet50":
-        return (
-            keras.applications.ResNet50(input_shape=(64, 64, 3), **app),
-            images(32, 64),
-            rng.integers(0, 10, 32),
-            loss,
-            adam,
-        )
+        model = keras.applications.ResNet50(input_shape=(64, 64, 3), **app)
+        return model, images(32, 64), rng.integers(0, 10, 32), loss, adam
     if kind == "densenet121":
         model = keras.applications.DenseNet121(input_shape=(64, 64, 3), **app)
         return model, images(32, 64), rng.integers(0, 10, 32), loss, sgd
@@ -87,13 +82,8 @@ def _setup(kind: str):
         x = {"token_ids": tokens, "padding_mask": np.ones((8, 256), "int32")}
         return model, x, np.roll(tokens, -1, 1), loss, keras.optimizers.AdamW(1e-4)
     if kind == "vgg16_finetune":  # 128 MiB of weights, activations a tenth of the gradients
-        return (
-            keras.applications.VGG16(input_shape=(32, 32, 3), **app),
-            images(16, 32),
-            rng.integers(0, 10, 16),
-            loss,
-            adam,
-        )
+        model = keras.applications.VGG16(input_shape=(32, 32, 3), **app)
+        return model, images(16, 32), rng.integers(0, 10, 16), loss, adam
     if kind == "mobilenetv2":
         model = keras.applications.MobileNetV2(input_shape=(64, 64, 3), **app)
         return model, images(64, 64), rng.integers(0, 10, 64), loss, adam

@@ -1,6 +1,6 @@
 """Every TensorFlow/Keras internal effgrad borrows, in one place, checked at import.
 
-effgrad needs a handful of non-public hooks (listed below, each with why). A
+effgrad needs a handful of non-public hooks (each module of this package lists its own, with why). A
 TensorFlow or Keras release may rename any of them; effgrad must then fail
 loudly at import, naming the versions, instead of silently falling back to a
 path that computes something else (e.g. a second all-reduce that multiplies

@@ -4,8 +4,8 @@ Known implementations (:func:`effgrad._compat.attention_classes`), each
 reproduced line by line from its source (Keras 3.15, keras_hub 0.32):
 
 * ``"keras"``: ``keras.layers.MultiHeadAttention`` (so keras_hub's
-  ``CachedMultiHeadAttention``, ``TransformerEncoder``/``Decoder``, GPT-2,
-  BERT). Without dropout it calls ``keras.ops.dot_product_attention`` (a row
+  ``CachedMultiHeadAttention``, ``TransformerEncoder``/``Decoder`` and the
+  backbones built on them). Without dropout it calls ``keras.ops.dot_product_attention`` (a row
   with no visible key: the mean of the values); with dropout it masks with
   its ``Softmax`` layer (such a row: zeros) and drops probabilities.
 * ``"llama"``: keras_hub's Llama, Mistral and Qwen attention: scaled einsum,

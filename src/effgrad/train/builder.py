@@ -97,7 +97,7 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               ``step.fused_loss`` / ``step.fused_loss_reason`` tell.
             * ``attention``: in the step's (training) calls, compute the
               attention of ``keras.layers.MultiHeadAttention`` (and its
-              keras_hub subclasses: GPT-2, BERT, ...) and of keras_hub's
+              keras_hub subclasses) and of keras_hub's
               Llama, Mistral, Qwen and Gemma attention with
               :func:`effgrad.attention`: exact, and the ``[B, H, T, S]``
               scores never exist. ``"auto"`` (default): per layer, when its

@@ -130,7 +130,7 @@ def activate(activation, z):
     TensorFlow orders some derivatives after the upstream gradient by a control dependency alone
     (``Erf``'s, in exact GELU), which Grappler's dependency optimizer removes: the derivative then
     runs right after the forward pass and its tensors wait there through the whole backward pass
-    (three activation-sized tensors per layer; 1 GiB more at BERT-tiny's batch 1024). Here the
+    (three activation-sized tensors per layer, held through backprop). Here the
     derivative is taken at ``z + 0 * g[0]``, a data dependency on the upstream gradient ``g`` that
     no optimizer removes (``0 * x`` is not folded for floats: x may be inf). Same values.
     """
