@@ -4,6 +4,7 @@ import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,14 +28,18 @@ def mlp(seed=0, inputs=5, hidden=7, outputs=3, regularizer=None, dtype=None):
     )
 
 
-def tiny_gpt2_lm(seed=0, vocabulary=50, length=8, dropout=0.1):
-    """A keras_hub GPT2CausalLM built from constructor arguments (nothing downloaded)."""
+def tiny_gpt2_lm(seed=0, vocabulary=50, length=8, dropout=0.1, layers=2):
+    """A keras_hub GPT2CausalLM built from constructor arguments (nothing downloaded).
+
+    Each transformer layer lengthens every trace and XLA compile: tests whose subject is not the
+    depth take ``layers=1``.
+    """
     import keras_hub
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=vocabulary,
-        num_layers=2,
+        num_layers=layers,
         num_heads=2,
         hidden_dim=16,
         intermediate_dim=32,
@@ -284,3 +289,25 @@ def in_fresh_processes(code: str, runs: dict, timeout: float = 300, new_interpre
         assert found, err[-3000:]
         results[key] = found[0]
     return results
+
+
+def run_cluster(code: str, argv: list, workers: int = 2, timeout: float = 240) -> None:
+    """``code`` run by each worker of a ``MultiWorkerMirroredStrategy`` cluster on loopback, side by side,
+    forked (:func:`run_forked`) with its own ``TF_CONFIG``; ``"{index}"`` in ``argv`` is the worker's index."""
+    sockets = [socket.socket() for _ in range(workers)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    cluster = [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    for s in sockets:
+        s.close()
+    runs = {
+        index: [
+            json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": index}}),
+            *(str(a).format(index=index) for a in argv),
+        ]
+        for index in range(workers)
+    }
+    # TF_CONFIG is read when the strategy is made: set in the child, before the code runs.
+    prelude = "import os, sys\nos.environ['TF_CONFIG'] = sys.argv.pop(1)\n"
+    for index, (status, _, err) in run_forked(prelude + code, runs, timeout).items():
+        assert status == 0, f"worker {index}: {err[-3000:]}"

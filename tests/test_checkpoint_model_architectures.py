@@ -35,7 +35,9 @@ def _application(name):
 @pytest.mark.parametrize("name", APPLICATIONS)
 def test_applications_equal_plain_in_training_and_inference(rng, name):
     x = tf.constant(rng.normal(size=(2, 32, 32, 3)).astype("float32"))
-    checkpointed, plain = assert_same_computation(_application(name), x, training=True, atol=1e-4)
+    # Eagerly: the cuts are the same in every mode (each mode: test_checkpoint_model), and a trace of
+    # these hundreds of layers costs more than running them on 2 images of 32 x 32.
+    checkpointed, plain = assert_same_computation(_application(name), x, mode="eager", training=True, atol=1e-4)
     np.testing.assert_allclose(checkpointed(x, training=False), plain(x, training=False), atol=1e-5)
     segments = sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers)
     assert segments >= 4
@@ -47,11 +49,11 @@ def _backbone(kind, dropout=0.1):
         cls = {"gpt2": keras_hub.models.GPT2Backbone, "bert": keras_hub.models.BertBackbone}[kind]
         return cls(
             vocabulary_size=50,
-            num_layers=3,
+            num_layers=2,  # 3 segments (sqrt): a cut between the transformer layers
             num_heads=2,
             hidden_dim=16,
             intermediate_dim=32,
-            max_sequence_length=16,
+            max_sequence_length=8,
             dropout=dropout,
         )
 
@@ -59,15 +61,16 @@ def _backbone(kind, dropout=0.1):
 
 
 def _tokens(rng, kind):
-    padding_mask = np.array([[1] * 12, [1] * 7 + [0] * 5], dtype="int32")
-    x = {"token_ids": rng.integers(1, 50, size=(2, 12)).astype("int32") * padding_mask, "padding_mask": padding_mask}
+    padding_mask = np.array([[1] * 8, [1] * 5 + [0] * 3], dtype="int32")
+    x = {"token_ids": rng.integers(1, 50, size=(2, 8)).astype("int32") * padding_mask, "padding_mask": padding_mask}
     if kind == "bert":
-        x["segment_ids"] = np.zeros((2, 12), dtype="int32")
+        x["segment_ids"] = np.zeros((2, 8), dtype="int32")
     return {k: tf.constant(v) for k, v in x.items()}
 
 
-# XLA on one of them (BERT's compile alone took 18 s of the suite): the cut is the same code.
-@pytest.mark.parametrize("kind, mode", [("gpt2", "function"), ("bert", "function"), ("gpt2", "xla")])
+# One mode each (BERT's compile alone took 18 s of the suite): the cut is the same code. XLA, in training
+# (dropout), is the task model's test below: the same GPT-2 transformer layers, cut, with padding.
+@pytest.mark.parametrize("kind, mode", [("gpt2", "function"), ("bert", "eager")])
 def test_keras_hub_backbones_equal_plain_with_padding_and_dropout(rng, kind, mode):
     x = _tokens(rng, kind)
     for training in (True, False):  # training: dropout masks must match the plain model's
@@ -76,7 +79,7 @@ def test_keras_hub_backbones_equal_plain_with_padding_and_dropout(rng, kind, mod
     other = dict(x, token_ids=tf.where(x["padding_mask"] > 0, x["token_ids"], 7))
     first = tf.nest.flatten(checkpointed(x))[-1 if kind == "bert" else 0]
     second = tf.nest.flatten(checkpointed(other))[-1 if kind == "bert" else 0]
-    np.testing.assert_allclose(first[1, :7], second[1, :7], atol=1e-5)
+    np.testing.assert_allclose(first[1, :5], second[1, :5], atol=1e-5)
     assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) >= 2
 
 
@@ -90,11 +93,11 @@ def test_keras_hub_round_trip(rng, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["xla"])  # tf.function: the backbones' test above
+@pytest.mark.parametrize("mode", ["xla"])  # tf.function and eager: the backbones' test above
 def test_a_keras_hub_task_model_is_cut_inside_its_backbone(rng, mode, tmp_path):
     # GPT2CausalLM's graph is two calls: its backbone (a functional model) and the tied
     # projection. The backbone's transformer layers are the cuts; the projection stays outside.
-    x = {k: v[:, :8] for k, v in _tokens(rng, "gpt2").items()}
+    x = _tokens(rng, "gpt2")
     checkpointed, _ = assert_same_computation(lambda: tiny_gpt2_lm(dropout=0.1), x, mode=mode, segments=2)
     assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 2
     assert checkpointed.layers[-1].name == "token_embedding"  # the projection, called as it is

@@ -1,10 +1,6 @@
 """tf.distribute: the step equals the single-device update; one reduction; agreed skips."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -14,7 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from helpers import mlp, plain_step, sequence_model
+from helpers import mlp, plain_step, run_cluster, sequence_model
 
 
 def _replica_values(variable, strategy):
@@ -152,40 +148,8 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def test_multi_worker_mirrored_strategy_on_loopback(tmp_path, rng):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    procs = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="3")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / f"w{index}.json")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        for proc in procs:
-            proc.kill()
+    run_cluster(_WORKER, [tmp_path / "w{index}.json"])
     results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     data = np.random.default_rng(0)
     x = data.normal(size=(12, 5)).astype("float32")

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.explain import engine
+from helpers import in_fresh_processes
 
 
 def _model(seed=0):
@@ -231,30 +232,14 @@ _MEMORY_CHILD = textwrap.dedent(
     x[:] = 0.5
     effgrad.saliency(model, x[:64], batch_size=64, progress=False)  # trace outside the measurement
     report = effgrad.memory.measure(effgrad.saliency, model, x, batch_size=64, out=sys.argv[3], progress=False)
-    print(json.dumps({"peak": report.peak_bytes}))
+    print("@@" + json.dumps({"peak": report.peak_bytes}))
     """
 )
 
 
 def test_device_memory_is_flat_in_the_number_of_examples(tmp_path):
-    (tmp_path / "child.py").write_text(_MEMORY_CHILD)
-    peaks = []
-    for n in (512, 2048):
-        out = subprocess.run(
-            [
-                sys.executable,
-                str(tmp_path / "child.py"),
-                str(n),
-                str(tmp_path / f"x{n}.npy"),
-                str(tmp_path / f"m{n}.npy"),
-            ],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
+    runs = {n: [n, tmp_path / f"x{n}.npy", tmp_path / f"m{n}.npy"] for n in (512, 2048)}
+    peaks = [run["peak"] for run in in_fresh_processes(_MEMORY_CHILD, runs).values()]
     # 4x the examples: the same device memory up to the batches the pipeline holds in flight
     # (_AHEAD staged and pending on each side of the device, one being made and one being
     # written: the short run may never fill it; measured up to 3.1 batches more, 6 MiB), far

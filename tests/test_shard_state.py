@@ -1,9 +1,6 @@
 """shard_state=True: each replica keeps 1/N of the optimizer state and reduced gradients, same updates."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -12,8 +9,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
-from helpers import plain_step
-from test_distributed import _free_ports
+from helpers import plain_step, run_cluster
 
 
 def _model(regularizer=None):
@@ -236,22 +232,7 @@ _WORKER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_multi_worker_shards_state_across_processes_and_checkpoints_whole(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    procs = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="3")
-        out = [str(tmp_path / f"w{index}.json"), str(tmp_path / "ckpt")]
-        procs.append(subprocess.Popen([sys.executable, str(script), *out], env=env, stderr=subprocess.PIPE, text=True))
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        for proc in procs:
-            proc.kill()
+    run_cluster(_WORKER, [tmp_path / "w{index}.json", tmp_path / "ckpt"])
     results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     # The same 3 steps on one device, unsharded.
     data = np.random.default_rng(0)
