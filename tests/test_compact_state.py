@@ -413,7 +413,7 @@ def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monke
     x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
     tables = {}
     for state in ("float32", "int8"):
-        model = tiny_gpt2_lm(dropout=0.0)
+        model = tiny_gpt2_lm(dropout=0.0, layers=1)
         opt = keras.optimizers.Adam(0.01)
         opt = effgrad.compact_state(opt, min_size=800) if state == "int8" else opt
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
