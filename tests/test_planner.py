@@ -97,11 +97,10 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng, trai
     before = [v.numpy().copy() for v in [*model.variables, *optimizer.variables]]
     assert any("seed" in v.path for v in model.variables)  # the Dropout's RNG state is among them
     tight = int(0.6 * _plain_peak(_conv(), x, y, keras.optimizers.Adam(1e-3)))
-    for budget in ("1GiB", tight):  # the plain step only; then micro-batches and checkpointing measured too
-        try:
-            effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget=budget, verbose=False)
-        except ValueError:
-            pass  # nothing fit: planning still ran steps, and still changes nothing
+    try:  # the plain step measured, then micro-batches and checkpointing
+        effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget=tight, verbose=False)
+    except ValueError:
+        pass  # nothing fit: planning still ran steps, and still changes nothing
     for a, b in zip(before, [v.numpy() for v in [*model.variables, *optimizer.variables]]):
         np.testing.assert_array_equal(a, b)
 
