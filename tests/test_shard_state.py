@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
-from helpers import plain_step, run_cluster
+from helpers import in_fresh_processes, plain_step, run_cluster
 
 
 def _model(regularizer=None):
@@ -97,6 +97,40 @@ def test_sharded_steps_equal_the_unsharded_step(strategy, rng, optimizer, micro_
             assert all(s.size <= whole.size // 2 + 256 * 2 for s in shards)
             assert not np.array_equal(shards[0], shards[1])
     assert sharded_slots >= 3 * (1 if optimizer == "sgd_momentum" else 2)
+
+
+_FOUR_REPLICAS = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, tensorflow as tf, keras, effgrad
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 64)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    out = {}
+    for shard in (False, True):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            layers = [keras.Input((64,)), keras.layers.Dense(96, activation="relu"), keras.layers.Dense(3)]
+            model = keras.Sequential(layers)
+            adam = sys.argv[1] == "adam"
+            optimizer = keras.optimizers.Adam(0.01) if adam else keras.optimizers.SGD(0.05, momentum=0.9)
+        step = effgrad.build_train_step(model, "mse", optimizer, strategy=strategy, shard_state=shard, micro_batches=2)
+        for _ in range(5):
+            step(x, y)
+        out[str(shard)] = {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
+    print("@@" + json.dumps(out))
+    """
+)
+
+
+def test_four_replicas_equal_the_unsharded_step():
+    # Four logical CPUs need a process of their own (the suite's has two).
+    for optimizer, run in in_fresh_processes(_FOUR_REPLICAS, {o: [o] for o in ("adam", "sgd_momentum")}).items():
+        assert run["True"]["sharded"] and not run["False"]["sharded"]
+        for a, b in zip(run["True"]["weights"], run["False"]["weights"]):
+            _close(np.array(a), np.array(b), optimizer)
 
 
 @pytest.mark.slow
