@@ -125,6 +125,7 @@ _FOUR_REPLICAS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_four_replicas_equal_the_unsharded_step():
     # Four logical CPUs need a process of their own (the suite's has two).
     for optimizer, run in in_fresh_processes(_FOUR_REPLICAS, {o: [o] for o in ("adam", "sgd_momentum")}).items():
