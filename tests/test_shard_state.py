@@ -194,8 +194,11 @@ def test_fit_with_shard_state_trains_as_one_device(strategy, rng):
     losses = [plain_step(reference, keras.losses.mean_squared_error, optimizer, x[i : i + 16], y[i : i + 16])
               for i in range(0, 48, 16)]  # fmt: skip
     assert history["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
+    # Adam divides by sqrt(v): the replicas' sums round a near-zero gradient otherwise, which shows at up
+    # to ~1e-4 of the 0.01 step (measured 1.4e-6 on 1 of 6,000 numbers in one run of four); a wrong
+    # update moves whole steps.
     for a, b in zip(model.trainable_variables, reference.trainable_variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
 
 
 def test_what_cannot_be_sharded_is_refused_or_said(strategy):
