@@ -43,13 +43,14 @@ import tensorflow as tf
 from effgrad import _compat
 from effgrad.train import accumulate
 
-__all__ = ["Use", "uses_of", "weight_gradient", "finite_bound"]
+__all__ = ["Use", "uses_of", "read_in_loops", "weight_gradient", "finite_bound"]
 
 # Ops that only view a weight (its values, reshaped, transposed or cast): its use is further on.
 _VIEWS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
 # Ops that read a variable's handle without computing with its values.
 _NOT_USES = frozenset({"VariableShape", "VarIsInitializedOp"})
 _GATHERS = frozenset({"GatherV2", "ResourceGather"})
+_LOOPS = frozenset({"While", "StatelessWhile"})
 # Bilinear ops: terms summed per weight element, as a function of (size of the other input, size of dz).
 _TERMS = {
     "MatMul": lambda other, dz: dz,  # dW[i, j] = sum over rows b of x[b, i] dz[b, j]
@@ -89,16 +90,9 @@ def uses_of(forward_ops: list, variables: list) -> list[list[Use] | None] | None
     (its ``dz`` is no smaller than ``dW``). The whole answer is None when
     the variables are not resource variables of this graph.
     """
-    if not forward_ops:
+    inner = _captured(forward_ops, variables)
+    if inner is None:
         return None
-    graph = forward_ops[0].graph
-    index = {}
-    for i, variable in enumerate(variables):
-        handle = _handle(variable)
-        if handle is None:
-            return None
-        index[id(handle)] = i
-    inner = {id(internal): index[id(external)] for external, internal in graph.captures if id(external) in index}
     inside = {id(op) for op in forward_ops}
     found = [[] for _ in variables]
     for op in forward_ops:
@@ -113,6 +107,32 @@ def uses_of(forward_ops: list, variables: list) -> list[list[Use] | None] | None
             else:
                 found[i] = None
     return [None if uses is None or not _small_uses(v, uses) else uses for v, uses in zip(variables, found)]
+
+
+def read_in_loops(forward_ops: list, variables: list) -> list[int]:
+    """The indices of ``variables`` that a loop among ``forward_ops`` reads (a recurrent layer's weights).
+
+    Trap: under a persistent tape (the fused step's, for its second pass), backprop through
+    such a loop keeps the weights' values once per iteration (measured, a GRU(256) over 200
+    steps, batch 8: 19 MiB under a one-use tape, 244 MiB under a persistent one).
+    """
+    inner = _captured(forward_ops, variables) or {}
+    return sorted({inner[id(t)] for op in forward_ops if op.type in _LOOPS for t in op.inputs if id(t) in inner})
+
+
+def _captured(forward_ops: list, variables: list) -> dict | None:
+    """``{id(the graph's captured handle): index}`` of ``variables``; None when one has no resource
+    handle or there are no ops."""
+    if not forward_ops:
+        return None
+    index = {}
+    for i, variable in enumerate(variables):
+        handle = _handle(variable)
+        if handle is None:
+            return None
+        index[id(handle)] = i
+    captures = forward_ops[0].graph.captures
+    return {id(internal): index[id(external)] for external, internal in captures if id(external) in index}
 
 
 def _small_uses(variable, uses: list[Use]) -> bool:

@@ -438,7 +438,13 @@ class TrainStep:
             x, y, sample_weight = distribute.shard((x, y, sample_weight), accumulate.batch_size(x), ctx)
         self._decide(x, y)
         if self.fused_update and isinstance(micro_batches, int) and micro_batches == 1:
-            return fused_update.step(self, x, y, sample_weight)
+            try:
+                return fused_update.step(self, x, y, sample_weight)
+            except fused_update.Unfusable as why:
+                if self.options.fused_update is True:
+                    raise ValueError(f"fused_update=True cannot apply updates inside backward here: {why}.") from None
+                self.fused_update = False
+                _log.info("effgrad: updates after backprop (fused_update=False): %s.", why)
         facts = flows.Facts()  # what this trace learns about the model, for this trace only
 
         def compute(x, y, sample_weight, micro_batches):
