@@ -227,8 +227,9 @@ def test_a_recurrent_model_fused_holds_no_more_than_gathered(rng):
         step(x, y)
         peaks[fused] = effgrad.memory.measure(step, x, y).extra_bytes
         assert step.fused_update is fused
-    loop_weights = sum(int(np.prod(v.shape)) for v in models[True].trainable_variables[1:-2]) * 4
-    assert peaks[True] <= peaks[False] + loop_weights, {k: v / 2**20 for k, v in peaks.items()}
+    # Which updates overlap backprop varies from run to run: two of the largest gradient's slack (0.6 MiB).
+    largest = max(int(np.prod(v.shape)) for v in models[True].trainable_variables) * 4
+    assert peaks[True] <= peaks[False] + 2 * largest, {k: v / 2**20 for k, v in peaks.items()}
     assert_variables_close(models[True].trainable_variables, models[False].trainable_variables)
 
 

@@ -32,15 +32,14 @@ pass, LOMO's (Lv et al. 2024): measured on 8 Dense 2048x2048 with Adam,
 0.125 s per step sharing the chain against 0.169 s backpropagating twice
 (Keras's own step: 0.118 s).
 
-Trap: in a graph the forward pass is recorded on a one-use tape; it is traced
-again on a persistent one only when the second whole backward pass is needed.
-Under a persistent tape
-TensorFlow wraps every loop for higher-order gradients, and the wrapper keeps
-what each iteration read: a recurrent layer's weights once per time step
-(measured, Embedding + GRU(256), T=200, batch 8: 291 MiB against 15 MiB
-gathered). A second backward pass through such a loop keeps them as well, so
-a model whose loop-read weights would need it falls back to the gathered
-step (:class:`Unfusable`).
+Trap: in a graph the forward pass is recorded on a one-use tape, and traced
+again on a persistent one only where the second whole backward pass is
+needed. Under a persistent tape TensorFlow wraps every loop for higher-order
+gradients, and the wrapper keeps what each iteration read: a recurrent
+layer's weights once per time step (measured, Embedding + GRU(256), T=200,
+batch 8: 291 MiB against 15 MiB with the one-use tape). A second backward
+pass through such a loop keeps them as well, so a model whose loop-read
+weights would need it takes the gathered step (:class:`Unfusable`).
 
 Backprop waits for the updates (:func:`pace`): each gradient is made only
 once the updates before it have written, all but at most the largest
@@ -129,8 +128,8 @@ def step(train_step, x, y, sample_weight) -> dict:
     """One micro-batch on one replica, each variable updated as backprop makes its gradient.
 
     Raises:
-        Unfusable: the model reads a weight inside a loop (see ``local_grad.read_in_loops``); nothing
-            was changed, and the caller runs the gathered step instead.
+        Unfusable: weights read inside a loop (``local_grad.read_in_loops``) would need a second
+            backward pass; nothing was traced into the caller's graph, which runs the gathered step.
     """
 
     def fused(persistent: bool):
@@ -176,14 +175,16 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     output_grads = {id(t): g for t, g in zip(outputs, grads[len(variables) :]) if g is not None}
     if uses is not None:
         uses = _local_or_kept(uses, output_grads, first, target, variables)
-    looped = local_grad.read_in_loops(forward_ops, variables)
-    if uses is None and looped:  # (seen on the one-use trace: a persistent tape hides loops in functions)
-        raise Unfusable(
-            f"{getattr(variables[looped[0]], 'path', variables[looped[0]].name)} is read inside a loop (a recurrent "
-            "layer), and a second backward pass through a loop keeps its weights once per iteration"
-        )
-    if uses is None and not persistent:
-        raise _SecondPass
+    if uses is None:  # a second whole backward pass is needed
+        looped = local_grad.read_in_loops(forward_ops, variables)  # (a persistent tape hides loops in functions)
+        if looped:
+            name = getattr(variables[looped[0]], "path", variables[looped[0]].name)
+            raise Unfusable(
+                f"{name} is read inside a loop (a recurrent layer), and a second backward pass through a loop "
+                "keeps its weights once per iteration"
+            )
+        if not persistent:
+            raise _SecondPass
     regularized = {i: v for i, v in enumerate(variables) if getattr(v, "regularizer", None) is not None}
     connected = [i for i, g in enumerate(first) if g is not None or i in regularized]
     update.warn_unconnected(variables, connected)
