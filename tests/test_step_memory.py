@@ -101,3 +101,15 @@ def test_a_step_collected_during_a_trace_is_emptied_later_not_inside_the_trace()
     assert int(tf.size(buffers[0])) == 256 * 256  # untouched by the trace
     accumulate.free_released()  # e.g. the next Accumulators made
     assert int(tf.size(buffers[0])) == 0
+
+
+def test_each_gradient_is_added_to_its_buffer_as_backprop_makes_it():
+    """A micro-batch's gradients are never all alive at once (measured: 0.17 of them; if the additions
+    waited for the whole backward pass, 1.0)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(512) for _ in range(12)])
+    x = np.random.default_rng(0).normal(size=(8, 512)).astype("float32")
+    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(1e-3), micro_batches=2)
+    step(x, x)
+    gradient_bytes = sum(4 * int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert effgrad.memory.measure(lambda: step(x, x)["loss"]).extra_bytes < 0.5 * gradient_bytes
