@@ -113,3 +113,27 @@ def test_each_gradient_is_added_to_its_buffer_as_backprop_makes_it():
     step(x, x)
     gradient_bytes = sum(4 * int(np.prod(v.shape)) for v in model.trainable_variables)
     assert effgrad.memory.measure(lambda: step(x, x)["loss"]).extra_bytes < 0.5 * gradient_bytes
+
+
+def test_a_recurrent_model_holds_no_more_than_keras_step():
+    """Backprop through a recurrent layer's loop runs one iteration at a time. With Keras's 32 iterations
+    in flight the gradient loop held each iteration's weight-gradient temporaries while the step waited to
+    see every gradient finite (measured on this model: 2.7x Keras's step; one at a time, 0.90-0.92x)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(1, 1000, (8, 64)).astype("int32"), rng.integers(0, 2, 8)
+
+    def model():
+        lstm = keras.layers.LSTM
+        layers = [keras.layers.Embedding(1000, 64), lstm(256, return_sequences=True), lstm(256), keras.layers.Dense(2)]
+        return keras.Sequential([keras.Input((64,), dtype="int32"), *layers])
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
+    reference.train_on_batch(x, y)
+    keras_extra = effgrad.memory.measure(lambda: reference.train_on_batch(x, y)).extra_bytes
+    step = effgrad.build_train_step(model(), loss, keras.optimizers.SGD(0.01, momentum=0.9))
+    step(x, y)
+    extra = effgrad.memory.measure(lambda: step(x, y)["loss"]).extra_bytes
+    assert extra <= keras_extra, (extra / 2**20, keras_extra / 2**20)

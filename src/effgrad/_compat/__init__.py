@@ -73,6 +73,7 @@ from effgrad._compat.tf_ops import (
     dynamic_update_slice,
     gradient_function,
     in_xla_context,
+    loops_one_iteration_at_a_time,
     optimization_barrier,
     stop_recording,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "inbound_nodes",
     "intercepted_call",
     "learning_rate",
+    "loops_one_iteration_at_a_time",
     "loss_function_arguments",
     "loss_tracker",
     "loss_weights",

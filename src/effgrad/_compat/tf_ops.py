@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras  # noqa: F401
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from effgrad._compat.versions import missing as _missing
 
 __all__ = [
     "add_control_input",
+    "loops_one_iteration_at_a_time",
     "collective_arguments",
     "collective_launchers",
     "context_started",
@@ -39,13 +43,34 @@ try:
     from tensorflow.python.framework.ops import get_gradient_function as gradient_function
 except ImportError as _err:  # pragma: no cover
     raise _missing("tensorflow.python.framework.ops.get_gradient_function", _err) from _err
-if not callable(getattr(tf.Operation, "_add_control_input", None)):  # pragma: no cover
-    raise _missing("tf.Operation._add_control_input", AttributeError("not found"))
+for _name in ("_add_control_input", "_set_attr"):
+    if not callable(getattr(tf.Operation, _name, None)):  # pragma: no cover
+        raise _missing(f"tf.Operation.{_name}", AttributeError("not found"))
 
 
 def add_control_input(op, control) -> None:
     """Makes graph op ``op`` (already made) wait for ``control``: backprop paced by the updates it feeds."""
     op._add_control_input(control)
+
+
+@contextlib.contextmanager
+def loops_one_iteration_at_a_time():
+    """Every while loop made in the current graph inside the block runs one iteration at a time.
+
+    Sets the ``parallel_iterations`` attribute of each ``While`` op made in the block to 1 (op
+    attributes have no public setter once the op exists). A no-op eagerly, and under XLA, which
+    ignores the attribute.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    yield
+    one = attr_value_pb2.AttrValue(i=1)
+    for op in graph.get_operations()[start:]:
+        if op.type in ("While", "StatelessWhile"):
+            op._set_attr("parallel_iterations", one)
 
 
 def context_started() -> bool:

@@ -161,12 +161,13 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                     with StateScope(zip(written, snapshot)):  # same seeds; writes discarded
                         recomputed = tf.nest.flatten(call(replay))
                 pairs = [(o, g) for o, g in zip(recomputed, output_grads) if g is not None and _differentiable(o)]
-                grads = tape.gradient(
-                    [o for o, _ in pairs],
-                    sources + variables,
-                    output_gradients=[g for _, g in pairs],
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+                with _compat.loops_one_iteration_at_a_time():  # as every backward pass (effgrad.train.flows)
+                    grads = tape.gradient(
+                        [o for o, _ in pairs],
+                        sources + variables,
+                        output_gradients=[g for _, g in pairs],
+                        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                    )
                 return [tf.convert_to_tensor(g) for g in grads]
 
             if tf.executing_eagerly():

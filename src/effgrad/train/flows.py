@@ -16,6 +16,13 @@ Two ways to differentiate a micro-batch:
   what the clipped sum ``sum_i min(1, C / norm_i) grad l_i`` is then
   formed from (:mod:`effgrad.train.per_example`; Bu et al.'s book-keeping).
 
+Backprop through a while loop (a recurrent layer) runs one iteration at a
+time. With Keras's ``parallel_iterations=32`` the gradient loop ran ahead up
+to 32 iterations, each holding its own weight-gradient temporaries, while the
+step waited to see every gradient finite before applying any (measured,
+Embedding + 2x LSTM(256), T=200, batch 8: 94 MiB against Keras's 48, and 36
+one at a time; the step's time within 4%).
+
 What a trace learns about the model (which state variables the forward pass
 writes, state outside the model's variables) is recorded in a :class:`Facts`
 object that belongs to that one trace.
@@ -29,7 +36,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from effgrad import state
+from effgrad import _compat, state
 from effgrad.train import fused_loss
 from effgrad.train.accumulate import dense
 
@@ -121,7 +128,8 @@ def tape_gradients(forward: Forward, multiplier: Callable, variables, facts: Fac
                 y_pred, pending = forward(batch, sums.pending, facts)
                 total, normalizer = forward.objective.sums(y, y_pred, sample_weight, exact=exact)
                 target = total * multiplier(normalizer)
-            grads = finish(tape.gradient(target, variables))
+            with _compat.loops_one_iteration_at_a_time():  # see the module docstring
+                grads = finish(tape.gradient(target, variables))
         if not exact:  # summed into dense accumulators, or across replicas
             grads = dense(grads)
         sums = Sums(sums.total + total, sums.normalizer + normalizer, pending, _sized(sums.noise, normalizer))

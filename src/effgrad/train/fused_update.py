@@ -170,7 +170,8 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     outputs = [] if uses is None else list({id(u.output): u.output for us in uses if us for u in us}.values())
     # One backward pass: every weight gradient (only used when the uses cannot stand in for them:
     # unused ops are pruned) and the gradients of the uses' outputs, the activation chain shared.
-    grads = tape.gradient(target, [*variables, *outputs])
+    with _compat.loops_one_iteration_at_a_time():  # as the gathered step (effgrad.train.flows)
+        grads = tape.gradient(target, [*variables, *outputs])
     first = accumulate.dense(grads[: len(variables)])
     output_grads = {id(t): g for t, g in zip(outputs, grads[len(variables) :]) if g is not None}
     if uses is not None:
@@ -228,7 +229,8 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     def apply():
         branch = tf.compat.v1.get_default_graph()
         if uses is None:  # backprop again
-            made = accumulate.dense(tape.gradient(target, trained))
+            with _compat.loops_one_iteration_at_a_time():
+                made = accumulate.dense(tape.gradient(target, trained))
             makers = [[] if g is None or tf.executing_eagerly() else [g.op] for g in made]
         else:  # each weight gradient from the kept dz: the ops that start it wait (pace)
             made, makers = [], []

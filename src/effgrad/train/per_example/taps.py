@@ -260,7 +260,8 @@ class Recorder:
         self.book = forms.Book(dict(self.uses))
         try:
             seed = tf.fill(tf.shape(per_example), tf.cast(scale, per_example.dtype))
-            shares = self.tape.gradient(per_example, self.zeros, output_gradients=seed)
+            with _compat.loops_one_iteration_at_a_time():  # as every backward pass (effgrad.train.flows)
+                shares = self.tape.gradient(per_example, self.zeros, output_gradients=seed)
             book = self.book
         finally:
             self.book = None
