@@ -260,7 +260,7 @@ class Recorder:
         self.book = forms.Book(dict(self.uses))
         try:
             seed = tf.fill(tf.shape(per_example), tf.cast(scale, per_example.dtype))
-            with _compat.loops_one_iteration_at_a_time():  # as every backward pass (effgrad.train.flows)
+            with _compat.loops_one_iteration_at_a_time():  # as in every training backward pass (effgrad.train.flows)
                 shares = self.tape.gradient(per_example, self.zeros, output_gradients=seed)
             book = self.book
         finally:
