@@ -161,7 +161,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                     with StateScope(zip(written, snapshot)):  # same seeds; writes discarded
                         recomputed = tf.nest.flatten(call(replay))
                 pairs = [(o, g) for o, g in zip(recomputed, output_grads) if g is not None and _differentiable(o)]
-                with _compat.loops_one_iteration_at_a_time():  # as in every training backward pass (effgrad.train.flows)
+                with _compat.loops_one_iteration_at_a_time():  # as in every training backprop (effgrad.train.flows)
                     grads = tape.gradient(
                         [o for o, _ in pairs],
                         sources + variables,
