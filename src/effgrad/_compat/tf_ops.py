@@ -12,7 +12,6 @@ from effgrad._compat.versions import missing as _missing
 
 __all__ = [
     "add_control_input",
-    "loops_one_iteration_at_a_time",
     "collective_arguments",
     "collective_launchers",
     "context_started",
@@ -20,6 +19,7 @@ __all__ = [
     "dynamic_update_slice",
     "gradient_function",
     "in_xla_context",
+    "loops_one_iteration_at_a_time",
     "optimization_barrier",
     "stop_recording",
 ]

@@ -114,16 +114,13 @@ def _add_or_overwrite(add, pairs: Sequence[tuple[tf.Variable, tf.Tensor]], one_b
     conds are not lowered, ``one_branch=False`` keeps one cond per variable.
     """
 
-    def update(pairs, adding: bool) -> list:
+    def branch(pairs, adding: bool) -> tf.Tensor:
         method = "assign_add" if adding else "assign"
-        return [getattr(acc, method)(g, read_value=False) for acc, g in pairs]
+        with tf.control_dependencies([getattr(acc, method)(g, read_value=False) for acc, g in pairs]):
+            return tf.constant(adding)
 
     def branches(pairs):
-        def done(adding):
-            with tf.control_dependencies(update(pairs, adding)):
-                return tf.constant(adding)
-
-        return tf.cond(add, lambda: done(True), lambda: done(False))
+        return tf.cond(add, lambda: branch(pairs, True), lambda: branch(pairs, False))
 
     if one_branch:
         return [branches(pairs)] if pairs else []
