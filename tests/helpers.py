@@ -177,7 +177,7 @@ def assert_summary_equals_numpy(summary, maps, classes):
 # a docs block with a MirroredStrategy): see in_fresh_processes for why measurements are not forked.
 _ZYGOTE = textwrap.dedent(
     """
-    import json, os, sys, traceback
+    import json, os, signal, sys, traceback
     import effgrad, keras, keras_hub, numpy, tensorflow  # noqa: F401  imported once, for every child
     for line in sys.stdin:
         request, pids = json.loads(line), []
@@ -188,6 +188,7 @@ _ZYGOTE = textwrap.dedent(
                 continue
             status = 1
             try:
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
                 for fd, path in ((1, out), (2, err)):
                     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
@@ -202,6 +203,7 @@ _ZYGOTE = textwrap.dedent(
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)
+        print(json.dumps(pids), flush=True)
         print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]), flush=True)
     """
 )
@@ -231,26 +233,48 @@ def _kill(zygote: subprocess.Popen) -> None:
         pass
 
 
+class Forked:
+    """Children of the forking process, started side by side: their pids, files and exit statuses."""
+
+    def __init__(self, code: str, runs: dict):
+        self.zygote = _forking_process()
+        self._folder = tempfile.TemporaryDirectory()
+        self.files = {key: (Path(self._folder.name, f"{i}.out"), Path(self._folder.name, f"{i}.err"))
+                      for i, key in enumerate(runs)}  # fmt: skip
+        request = [
+            [list(map(str, argv)), str(self.files[key][0]), str(self.files[key][1])] for key, argv in runs.items()
+        ]
+        self.zygote.stdin.write(json.dumps({"code": code, "runs": request}) + "\n")
+        self.zygote.stdin.flush()
+        self.pids = dict(zip(runs, json.loads(self.zygote.stdout.readline())))
+        self._reply: list = []
+        self._reader = threading.Thread(target=lambda: self._reply.append(self.zygote.stdout.readline()), daemon=True)
+        self._reader.start()
+
+    def running(self) -> bool:
+        return self._reader.is_alive()
+
+    def send_signal(self, sig: int) -> None:
+        for pid in self.pids.values():
+            os.kill(pid, sig)
+
+    def wait(self, timeout: float = 300) -> dict:
+        """``{key: (exit status, stdout, stderr)}`` once every child has ended."""
+        self._reader.join(timeout)
+        if not self._reply or not self._reply[0]:
+            _kill(self.zygote)  # its children are stuck or it died: the next call starts another
+            raise AssertionError(f"fresh processes did not finish in {timeout} s")
+        with self._folder:
+            return {
+                key: (status, out.read_text(), err.read_text())
+                for (key, (out, err)), status in zip(self.files.items(), json.loads(self._reply[0]))
+            }
+
+
 def run_forked(code: str, runs: dict, timeout: float = 300) -> dict:
     """``{key: (exit status, stdout, stderr)}``: ``code`` run with ``sys.argv[1:] = runs[key]``, side by
     side, each in a fresh process forked from one that imported the libraries already."""
-    zygote = _forking_process()
-    with tempfile.TemporaryDirectory() as folder:
-        files = {key: (Path(folder, f"{i}.out"), Path(folder, f"{i}.err")) for i, key in enumerate(runs)}
-        request = [[list(map(str, argv)), str(files[key][0]), str(files[key][1])] for key, argv in runs.items()]
-        zygote.stdin.write(json.dumps({"code": code, "runs": request}) + "\n")
-        zygote.stdin.flush()
-        reply: list = []
-        reader = threading.Thread(target=lambda: reply.append(zygote.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not reply or not reply[0]:
-            _kill(zygote)  # its children are stuck or it died: the next call starts another
-            raise AssertionError(f"fresh processes did not finish in {timeout} s")
-        return {
-            key: (status, out.read_text(), err.read_text())
-            for (key, (out, err)), status in zip(files.items(), json.loads(reply[0]))
-        }
+    return Forked(code, runs).wait(timeout)
 
 
 def in_fresh_processes(code: str, runs: dict, timeout: float = 300, new_interpreters: bool = False) -> dict:

@@ -1,10 +1,7 @@
 """``effgrad saliency`` on the command line: .npz inputs by name, --cast, --output, --layer, clear errors, Ctrl-C."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import keras
@@ -13,6 +10,7 @@ import pytest
 
 import effgrad
 from effgrad import cli
+from helpers import Forked
 
 N = 48
 
@@ -124,26 +122,20 @@ def test_ctrl_c_ends_with_one_line_and_resume_finishes(run, tmp_path, rng):
     x = rng.normal(size=(12_000, 16)).astype("float32")
     np.save(tmp_path / "x.npy", x)
     out, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
-    command = [sys.executable, "-m", "effgrad.cli", "saliency", str(tmp_path / "m.keras"), str(tmp_path / "x.npy"),
-               "--out", str(out), "--batch-size", "8", "--no-progress"]  # fmt: skip
-    # Ctrl-C handled in the child even when this process ignores SIGINT (a background job of a non-interactive
-    # shell does, and a child inherits an ignored signal; a handled one is reset to the default at exec).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        child = subprocess.Popen(
-            command, stderr=subprocess.PIPE, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-        )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    arguments = ["saliency", tmp_path / "m.keras", tmp_path / "x.npy", "--out", out, "--batch-size", "8"]
+    arguments.append("--no-progress")
+    # The command line's own process (forked: a new interpreter's imports would be most of the test),
+    # with Python's own Ctrl-C handler, as a new interpreter has it.
+    child = Forked("import sys, effgrad.cli; sys.exit(effgrad.cli.main(sys.argv[1:]))", {"cli": arguments})
     deadline = time.time() + 120
-    while time.time() < deadline and child.poll() is None:
+    while time.time() < deadline and child.running():
         if journal.exists() and json.loads(journal.read_text())["committed"] > 0:
             break
         time.sleep(0.05)
-    assert child.poll() is None, "the run ended before it could be interrupted"
+    assert child.running(), "the run ended before it could be interrupted"
     child.send_signal(signal.SIGINT)
-    stderr = child.communicate(timeout=60)[1]
-    assert child.returncode == 130, stderr[-2000:]
+    status, _, stderr = child.wait(timeout=60)["cli"]
+    assert status == 130, stderr[-2000:]
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("interrupted:") and "--resume" in stderr
     resumed = run(tmp_path / "m.keras", tmp_path / "x.npy", "--out", out, "--batch-size", "8", "--resume")

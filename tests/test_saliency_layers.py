@@ -7,6 +7,7 @@ plain tape gives. Zeroing that matrix runs the model at IG's zero baseline.
 """
 
 import threading
+import time
 
 import keras
 import keras_hub
@@ -132,7 +133,9 @@ def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
 
     model = _bert()
     x = _tokens(rng)
+    started = time.perf_counter()
     expected = effgrad.saliency(model, x, layer="token_embedding", target=1, progress=False)
+    alone = time.perf_counter() - started  # a job of this size, traced, on this machine now
     found = {}
 
     def other_job():  # another target: a job of its own, traced (not taken from the job cache)
@@ -141,7 +144,7 @@ def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
     with _compat.keras_layers._INTERCEPTING:  # as while another thread's job is being traced with the layer patched
         worker = threading.Thread(target=other_job)
         worker.start()
-        worker.join(timeout=8)  # alone, the job takes ~2 s
+        worker.join(timeout=2 * alone)  # twice what it took alone: unblocked, it would have finished
         assert worker.is_alive() and not found  # it waits for the patch to be undone
     worker.join()
     assert "call" not in model.backbone.get_layer("token_embedding").__dict__  # the layer is itself again

@@ -1,10 +1,7 @@
 """Saliency of models with several inputs: nests in, the same nests of maps out, streamed and resumable."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -15,7 +12,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.explain import engine, sinks
-from helpers import assert_summary_equals_numpy
+from helpers import Forked, assert_summary_equals_numpy
 
 N = 40
 
@@ -207,15 +204,11 @@ def test_sigkilled_run_with_nested_inputs_resumes_to_the_same_files(tmp_path, rn
     model.save(tmp_path / "m.keras")
     np.savez(tmp_path / "x.npz", **x)
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
-    (tmp_path / "child.py").write_text(_CHILD)
     out = tmp_path / "maps.npy"
-    child = subprocess.Popen(
-        [sys.executable, str(tmp_path / "child.py"), str(tmp_path / "m.keras"), str(tmp_path / "x.npz"), str(out)],
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-    )
+    child = Forked(_CHILD, {"run": [tmp_path / "m.keras", tmp_path / "x.npz", out]})  # forked: no new imports
     journals = [tmp_path / f"maps.{name}.npy.journal.json" for name in x]
     deadline = time.time() + 120
-    while time.time() < deadline and child.poll() is None:
+    while time.time() < deadline and child.running():
         if all(j.exists() for j in journals) and min(json.loads(j.read_text())["committed"] for j in journals) >= 40:
             break
         time.sleep(0.05)

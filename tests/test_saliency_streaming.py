@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.explain import engine
-from helpers import in_fresh_processes
+from helpers import Forked, in_fresh_processes
 
 
 def _model(seed=0):
@@ -196,15 +196,10 @@ def test_sigkilled_run_resumes_to_the_same_file(tmp_path, rng):
     np.save(tmp_path / "x.npy", x)
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
     path, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
-    (tmp_path / "child.py").write_text(_CHILD)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    child = subprocess.Popen(
-        [sys.executable, str(tmp_path / "child.py"), str(tmp_path / "m.keras"), str(tmp_path / "x.npy"), str(path)],
-        env=env,
-    )
+    child = Forked(_CHILD, {"run": [tmp_path / "m.keras", tmp_path / "x.npy", path]})  # forked: no new imports
     deadline = time.time() + 120
     committed = 0
-    while time.time() < deadline and child.poll() is None:
+    while time.time() < deadline and child.running():
         if journal.exists():
             committed = json.loads(journal.read_text())["committed"]
             if committed >= 40:
