@@ -5,7 +5,9 @@ device allocator's peak and the host RSS then belong to that configuration
 alone, and one configuration's cached graphs cannot help another's timing.
 A `--quick` run (the test suite's check that the benchmarks do not rot)
 runs them in its own process instead: its numbers are not measurements, and
-a TensorFlow import per configuration was most of its time.
+a TensorFlow import per configuration was most of its time. What needs a
+process of its own (virtual devices, a cluster's workers) is then forked
+from it while its TensorFlow has not started (`run_children`).
 """
 
 from __future__ import annotations
@@ -45,19 +47,82 @@ def run_isolated(module: str, config: dict, timeout: float = 900) -> dict:
         result["host_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         keras.backend.clear_session()  # the next configuration starts without this one's layers and graphs
         return result
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--child", json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=Path(__file__).parent.parent,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            return json.loads(line[len(_MARK) :])
-    raise RuntimeError(f"{module} {config} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return run_children(module, [(config, {})], timeout)[0]
+
+
+def run_children(module: str, runs: list[tuple[dict, dict]], timeout: float = 900) -> list[dict]:
+    """``module.child(config)`` for each ``(config, environment variables)``, side by side, each in a
+    process of its own (a cluster's workers, virtual devices): the dicts they report.
+
+    New interpreters (``python -m module --child CONFIG``); in a ``--quick`` run whose TensorFlow has not
+    started yet, forks of this process instead, without a TensorFlow import each (forking a process whose
+    TensorFlow runs threads is not safe, so a started one takes new interpreters too).
+    """
+    if QUICK and not _tensorflow_started():
+        return [_wait(*child) for child in [_fork(module, config, env) for config, env in runs]]
+    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, "--child", json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, **env},
+            cwd=Path(__file__).parent.parent,
+        )
+        for config, env in runs
+    ]
+    results = []
+    try:
+        for proc, (config, _) in zip(procs, runs):
+            out, err = proc.communicate(timeout=timeout)
+            marked = [line for line in out.splitlines() if line.startswith(_MARK)]
+            if proc.returncode or not marked:
+                raise RuntimeError(f"{module} {config} failed:\n{out[-2000:]}\n{err[-4000:]}")
+            results.append(json.loads(marked[-1][len(_MARK) :]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
+
+
+def _tensorflow_started() -> bool:
+    from effgrad import _compat
+
+    return _compat.context_started()
+
+
+def _fork(module: str, config: dict, env: dict) -> tuple[int, int, dict]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        return pid, read, config
+    status = 1
+    try:
+        import importlib
+
+        os.close(read)
+        os.environ.update(env)
+        result = importlib.import_module(module).child(config)
+        result["host_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        with os.fdopen(write, "w") as out:
+            out.write(json.dumps(result))
+        status = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _wait(pid: int, read: int, config: dict) -> dict:
+    with os.fdopen(read) as reply:
+        text = reply.read()
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) or not text:
+        raise RuntimeError(f"{config} failed in a forked process (its traceback is above)")
+    return json.loads(text)
 
 
 def run_rounds(module: str, configs: list[dict], rounds: int) -> list[dict]:

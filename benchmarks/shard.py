@@ -23,10 +23,7 @@ Models: 8 Dense 2048x2048 (weight-dominated, batch 64 per worker, MSE) and a ker
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -83,7 +80,7 @@ def _mib(tensors) -> float:
     )
 
 
-def worker(config: dict) -> dict:
+def child(config: dict) -> dict:
     """One worker's runs (``TF_CONFIG`` names it): ``{"runs": [...]}``, one per ``config["shard"]`` value."""
     import tensorflow as tf
 
@@ -178,35 +175,12 @@ def _free_ports(n: int) -> list[int]:
 def run_workers(config: dict, timeout: float = 1800) -> list[dict]:
     """Starts ``config["workers"]`` processes of one MultiWorkerMirroredStrategy cluster; their results."""
     hosts = [f"127.0.0.1:{port}" for port in _free_ports(config["workers"])]
-    procs = []
+    runs = []
     for index in range(config["workers"]):
         tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
-        env = dict(
-            os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true"
-        )
         own = {**config, "weights_file": config["weights_file"] if index == 0 else None}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", MODULE, "--child", json.dumps(own)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=Path(__file__).parent.parent,
-            )
-        )
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            marked = [line for line in out.splitlines() if line.startswith(common._MARK)]
-            if proc.returncode or not marked:
-                raise RuntimeError(f"{MODULE} worker {config} failed:\n{out[-2000:]}\n{err[-4000:]}")
-            results.append(json.loads(marked[-1][len(common._MARK) :]))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return results
+        runs.append((own, {"TF_CONFIG": json.dumps(tf_config)}))
+    return common.run_children(MODULE, runs, timeout)
 
 
 def _runs(config: dict, shards: list, weights_file: str) -> list[list[dict]]:
@@ -306,4 +280,4 @@ def _max_diff(plain_file: str, sharded_file: str) -> float:
 
 
 if __name__ == "__main__":
-    common.child_main(worker)
+    common.child_main(child)

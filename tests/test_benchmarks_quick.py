@@ -13,7 +13,8 @@ from helpers import png_pixels, run_forked
 ROOT = Path(__file__).resolve().parent.parent
 
 # Three groups of suites with their plots, of about equal time, so parallel test workers share them.
-# "distributed": most of its time is its worker processes' TensorFlow imports (2 for distributed, 2 for shard).
+# "distributed" and "shard" come first in theirs: their processes are then forks of one whose TensorFlow
+# has not started (benchmarks.common.run_children), without a TensorFlow import each.
 GROUPS = {
     "step": (
         ["accumulation", "step_floor", "fused_loss", "attention", "compact_state", "loss_scaling", "diagnostics"]
@@ -29,9 +30,9 @@ GROUPS = {
             "checkpointing_segments.png",
         ],
     ),
-    "distributed": (["distributed", "shard", "checkpoint_model"], []),
+    "distributed": (["distributed", "shard", "checkpoint_model", "privacy"], []),
     "saliency": (
-        ["saliency", "saliency_methods", "token_attribution", "token_methods", "privacy", "planning"],
+        ["saliency", "saliency_methods", "token_attribution", "token_methods", "planning"],
         ["saliency_scaling.png"],
     ),
 }
