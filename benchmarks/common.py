@@ -56,7 +56,7 @@ def run_children(module: str, runs: list[tuple[dict, dict]], timeout: float = 90
 
     New interpreters (``python -m module --child CONFIG``); in a ``--quick`` run whose TensorFlow has not
     started yet, forks of this process instead, without a TensorFlow import each (forking a process whose
-    TensorFlow runs threads is not safe, so a started one takes new interpreters too).
+    TensorFlow runs threads is not safe, so a started one takes new interpreters too; a fork has no timeout).
     """
     if QUICK and not _tensorflow_started():
         return [_wait(*child) for child in [_fork(module, config, env) for config, env in runs]]
