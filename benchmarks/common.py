@@ -13,6 +13,7 @@ from it while its TensorFlow has not started (`run_children`).
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 RESULTS = Path(os.environ.get("EFFGRAD_BENCHMARK_RESULTS", Path(__file__).parent / "results"))
@@ -36,7 +38,6 @@ def run_isolated(module: str, config: dict, timeout: float = 900) -> dict:
     """Runs ``python -m module --child CONFIG`` and returns the dict it reports."""
     if QUICK and module not in _OWN_PROCESS:
         import gc
-        import importlib
 
         import keras
 
@@ -100,8 +101,6 @@ def _fork(module: str, config: dict, env: dict) -> tuple[int, int, dict]:
         return pid, read, config
     status = 1
     try:
-        import importlib
-
         os.close(read)
         os.environ.update(env)
         result = importlib.import_module(module).child(config)
@@ -110,8 +109,6 @@ def _fork(module: str, config: dict, env: dict) -> tuple[int, int, dict]:
             out.write(json.dumps(result))
         status = 0
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
         os._exit(status)

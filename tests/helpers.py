@@ -172,9 +172,10 @@ def assert_summary_equals_numpy(summary, maps, classes):
 
 
 # A process that imported TensorFlow, Keras, keras_hub and effgrad, and started nothing: it forks one
-# child per run, without the ~5 s of imports each. TensorFlow's context, devices and allocator start
+# child per run, without the ~8 s of imports each. TensorFlow's context, devices and allocator start
 # in the child. For runs that need a process of their own but measure no peak (the quick benchmarks,
-# a docs block with a MirroredStrategy): see in_fresh_processes for why measurements are not forked.
+# a docs block with a MirroredStrategy, a run to interrupt or kill: Forked): see in_fresh_processes
+# for why measurements are not forked.
 _ZYGOTE = textwrap.dedent(
     """
     import json, os, signal, sys, traceback

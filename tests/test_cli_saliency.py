@@ -122,8 +122,8 @@ def test_ctrl_c_ends_with_one_line_and_resume_finishes(run, tmp_path, rng):
     x = rng.normal(size=(12_000, 16)).astype("float32")
     np.save(tmp_path / "x.npy", x)
     out, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
-    arguments = ["saliency", tmp_path / "m.keras", tmp_path / "x.npy", "--out", out, "--batch-size", "8"]
-    arguments.append("--no-progress")
+    arguments = ["saliency", tmp_path / "m.keras", tmp_path / "x.npy", "--out", out, "--batch-size", "8",
+                 "--no-progress"]  # fmt: skip
     # The command line's own process (forked: a new interpreter's imports would be most of the test),
     # with Python's own Ctrl-C handler, as a new interpreter has it.
     child = Forked("import sys, effgrad.cli; sys.exit(effgrad.cli.main(sys.argv[1:]))", {"cli": arguments})
