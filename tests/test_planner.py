@@ -138,8 +138,10 @@ def test_nothing_fits_names_the_smallest_peak(rng):
     x, y = _data(rng, (32,), 32)
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
+    # 48.8 KiB: above the 40.1 KiB the shapes alone need, so the planner measures; about 20 KiB below the
+    # smallest peak it ever measured (60-86 KiB across runs), so noise in the allocator cannot make it fit.
     with pytest.raises(ValueError, match=r"smallest peak achievable is [\d.,]+ (KiB|MiB) \(micro_batches="):
-        effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget=80_000, verbose=False)
+        effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget=50_000, verbose=False)
 
 
 def test_attach_plans_at_the_first_fit_and_trains_like_stock_fit(rng, capfd):
