@@ -230,9 +230,13 @@ def child(config: dict) -> dict:
         best = min(fits, default=None)
         if best is None:
             return {"fastest_s": None, "seconds": 0.0}
-        return {"fastest_s": best[0], "fastest": f"k={best[1]}, seg={best[2] or '-'}", "fastest_peak": best[3],
+        return {"fastest_s": best[0], "fastest": _label(best[1], best[2]), "fastest_peak": best[3],
                 "seconds": 0.0}  # fmt: skip
     raise ValueError(role)
+
+
+def _label(micro_batches: int, segments: int | None) -> str:
+    return f"k={micro_batches}, seg={segments or '-'}"
 
 
 def _mib(nbytes):
@@ -257,8 +261,8 @@ def run(
         row for row in json.loads(published.read_text())["rows"]
         if row.get("half") in matrix and (row["half"], row["model"]) not in running
     ]  # fmt: skip
-    for half, models in halves.items():
-        for model in models:
+    for half, names in halves.items():
+        for model in names:
             probe = common.run_isolated(MODULE, {"model": model, "role": "probe"}, timeout=3600)
             # The smallest peak of the search space: the plain step's is the smallest where its updates run
             # inside backward and micro-batches add accumulators.
@@ -285,7 +289,7 @@ def run(
                     row["smallest_vs_budget"] = smallest / budget
                 else:
                     chosen = plan["chosen"]
-                    row["chosen"] = f"k={chosen['micro_batches']}, seg={chosen['segments'] or '-'}"
+                    row["chosen"] = _label(chosen["micro_batches"], chosen["segments"])
                     row["plan_mib"] = _mib(plan["peak"])
                     again = common.run_isolated(
                         MODULE, {"model": model, "role": "again", "budget": budget, "chosen": chosen}, timeout=3600
