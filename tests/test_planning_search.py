@@ -23,6 +23,7 @@ class Family:
     seconds: float  # a step's time with one micro-batch
     per_micro: float  # seconds more per micro-batch
     trace: float  # seconds of its trace
+    trace_bytes: float = 0.0  # what the call that traces holds more, once
 
 
 class FakeMeasurer:
@@ -57,7 +58,8 @@ class FakeMeasurer:
         for _ in range(calls):
             if stop_above is not None and peaks and peaks[-1] > stop_above:
                 break
-            peaks.append(int(self.peak(config, rows) * (1 + self.noise * self.rng.uniform(-1, 1))))
+            extra = self.family(config).trace_bytes if trace is not None and not peaks else 0.0
+            peaks.append(int((self.peak(config, rows) + extra) * (1 + self.noise * self.rng.uniform(-1, 1))))
             self.now += self.seconds(config)
             seconds = self.seconds(config) if seconds is None else seconds
         if trace is not None and len(peaks) == 1 and stop_above is not None and peaks[0] > stop_above:
@@ -192,6 +194,21 @@ def test_peaks_at_the_edge_are_called_again_and_their_spread_counts():
             assert len(c.peaks) > 2 or c.measured + c.spread > limits.limit
         if c.fits:
             assert c.measured + c.spread <= limits.limit
+
+
+def test_what_the_tracing_call_holds_once_counts_in_the_peak_but_not_as_spread():
+    fake = _cnn()
+    fake.plain = dataclasses.replace(fake.plain, trace_bytes=6 * MIB)
+    plain_peak = fake.peak(Config(1, plain=True))
+    limits = _limits((plain_peak + 9 * MIB) / 0.95)  # the tracing call's peak fits; counted twice, it would not
+    outcome = search(fake, limits, segments=(3,), clock=fake.clock)
+    assert outcome.chosen().config == Config(1, plain=True)
+    assert outcome.chosen().measured == int(plain_peak + 6 * MIB)
+    tight = _limits((plain_peak + 3 * MIB) / 0.95)  # only the steady calls would fit: the tracing call counts
+    assert search(_cnn(), tight, segments=(3,), clock=fake.clock).chosen().config == Config(1, plain=True)
+    fake = _cnn()
+    fake.plain = dataclasses.replace(fake.plain, trace_bytes=6 * MIB)
+    assert search(fake, tight, segments=(3,), clock=fake.clock).chosen().config != Config(1, plain=True)
 
 
 def test_without_slices_the_near_point_is_a_configuration_on_the_whole_batch():

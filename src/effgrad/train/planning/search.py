@@ -30,9 +30,10 @@ The search::
     prediction lay within the prediction's error of the limit)
     choose the fastest measured fit; within timing noise, the simpler one
 
-A measured peak fits when it and the spread of its calls stay within the limit; a peak at the edge
-(within the prediction margin of the limit) is called up to twice more, since training's calls can
-go higher than two did.
+A measured peak fits when it and the spread of its steady calls stay within the limit (the call that
+traced a family is in the peak, not in the spread: what tracing holds once does not recur); a peak at
+the edge (within the prediction margin of the limit) is called up to twice more, since training's calls
+can go higher than two did.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class Candidate:
     seconds: float | None = None
     fits: bool | None = None
     note: str = ""
+    traced: bool = False  # its first call traced the family
 
     @property
     def measured(self) -> int | None:
@@ -141,7 +143,9 @@ class Candidate:
 
     @property
     def spread(self) -> int:
-        return max(self.peaks) - min(self.peaks) if len(self.peaks) > 1 else 0
+        """How far apart its steady calls' peaks lie: a tracing call's excess is in the peak and does not recur."""
+        steady = self.peaks[1:] if self.traced else self.peaks
+        return max(steady) - min(steady) if len(steady) > 1 else 0
 
     @property
     def peak_bytes(self) -> int | None:
@@ -227,7 +231,7 @@ class _Search:
         limit, sure = self.limits.limit, self.limits.sure
         # The plain step is timed even when over the limit: its time is what every family is weighed against.
         calls = self.measurer.measure(config, 2, stop_above=None if config.plain else limit)
-        c.peaks, c.seconds = list(calls.peaks), calls.seconds
+        c.peaks, c.seconds, c.traced = list(calls.peaks), calls.seconds, calls.trace_seconds is not None
         if calls.trace_seconds is not None and self.first_call is None and calls.seconds is not None:
             self.first_call = calls.trace_seconds + calls.seconds
         for _ in range(self.calibration.edge_calls):
