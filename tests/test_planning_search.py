@@ -151,6 +151,22 @@ def test_a_family_whose_trace_would_not_be_repaid_is_skipped_once_a_fit_is_known
     assert (False, 3) in fake.traced
 
 
+def test_the_planning_budget_counts_the_calls_that_look_at_a_family_not_only_its_trace():
+    # A recurrent-like model: a call (2.8 s) costs more than a trace (2.2 s). Micro-batches fit at 4 (4.9 s a
+    # step) after 26.8 s; checkpointing costs its trace and then calls of at least 3.7 s each, which the
+    # budget of eight first calls (40 s) has no room for. Counting its trace only, the search looked and
+    # ended at 46.6 s.
+    families = {
+        None: Family(fixed=20 * MIB, per_row=1.0 * MIB, seconds=2.8, per_micro=0.7, trace=2.2),
+        3: Family(fixed=24 * MIB, per_row=0.3 * MIB, seconds=3.7, per_micro=0.7, trace=2.9),
+    }
+    fake = FakeMeasurer(64, families, Family(84 * MIB, 0, 2.8, 0, 2.2))
+    calibration = Calibration(planning_budget=8, repay_steps=0)  # the budget alone decides
+    outcome = search(fake, _limits(40 * MIB), segments=(3,), calibration=calibration, clock=fake.clock)
+    assert outcome.chosen().config == Config(4)
+    assert (False, 3) not in fake.traced and fake.now <= 8 * (2.2 + 2.8)
+
+
 def test_where_only_checkpointing_fits_it_is_found():
     # A densely connected CNN at a third of its peak: micro-batches never get below 40 MiB (a constant the
     # rows do not shrink), checkpointing with 8 micro-batches does.

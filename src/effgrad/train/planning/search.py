@@ -19,8 +19,8 @@ The search::
     measure the plain step; it fits: done (nothing else is faster)
     for each other family, fastest first (micro-batched, then checkpointed):
         skip it when it cannot be faster than the best fit measured, or (once a fit is known) when
-        its trace fits neither in what is left of the planning budget (a few default first calls)
-        nor in what it could save over the best fit in a hundred steps
+        looking at it (its trace and a few calls) fits neither in what is left of the planning budget
+        (a few default first calls) nor in what it could save over the best fit in a hundred steps
         measure its fastest member on the whole batch (its trace) and a near point (1/16 of the batch
         per micro-batch, on a slice of the batch: the same trace)
         repeat: fit F and A to the family's points; measure the fewest micro-batches predicted to fit
@@ -59,12 +59,15 @@ class Calibration:
             loaded host), or within ``jitter_seconds`` (a small step's dispatch noise).
         jitter_seconds: See ``same_speed``.
         planning_budget: Once a fit is known, planning goes on while it stays within this many first calls
-            (trace and call) of the plain step, or while a family's trace would be repaid within
-            ``repay_steps`` steps by the time it could save over the best fit.
+            (trace and call) of the plain step, or while looking at a family (its trace and calls) would
+            be repaid within ``repay_steps`` steps by the time it could save over the best fit.
         repay_steps: See ``planning_budget``.
         near_fraction: The near point of a family's line: ``1 / near_fraction`` of the batch per
             micro-batch (far from the first point, so the allocator's noise does not set the slope).
         edge_calls: Calls more for a peak at the edge of the limit.
+        family_calls: The calls looking at a family takes beyond its first, each counted as its fastest
+            step could be: a near point and two calls of the configuration predicted to fit (the search's
+            own count, where the family's first configuration does not fit).
     """
 
     recompute_share: float = 1 / 3
@@ -74,6 +77,7 @@ class Calibration:
     repay_steps: int = 100
     near_fraction: int = 16
     edge_calls: int = 2
+    family_calls: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,17 +257,19 @@ class _Search:
 
     # ------------------------------------------------------------------ families
     def worth(self, segments: int | None) -> bool:
-        """Whether a family could be faster than the best fit, with its trace within the planning budget."""
+        """Whether a family could be faster than the best fit, looking at it within the planning budget."""
         best = self.outcome().chosen()
         if best is None:
             return True  # nothing fits yet: every family is looked at
         timed = [c.seconds for c in self.candidates.values() if c.seconds is not None and not c.config.segments]
-        optimistic = min(timed) * (1 + (self.calibration.recompute_share if segments else 0))
+        slower = 1 + (self.calibration.recompute_share if segments else 0)
+        optimistic = min(timed) * slower
         if same_speed(best.seconds, optimistic, self.calibration):
             return False
-        trace = (self.first_call or 0) * (1 + (self.calibration.recompute_share if segments else 0))
-        within = self.clock() - self.started + trace <= self.calibration.planning_budget * (self.first_call or math.inf)
-        return within or (best.seconds - optimistic) * self.calibration.repay_steps > trace
+        # Its trace and call (the first call's, recomputing included), then the calls finding its fit.
+        cost = (self.first_call or 0) * slower + self.calibration.family_calls * optimistic
+        within = self.clock() - self.started + cost <= self.calibration.planning_budget * (self.first_call or math.inf)
+        return within or (best.seconds - optimistic) * self.calibration.repay_steps > cost
 
     def explore(self, segments: int | None, first: int) -> None:
         """The fewest micro-batches of one family that fit, from the line of its measured points."""
