@@ -227,7 +227,7 @@ def child(config: dict) -> dict:
                     fits.append((seconds, k, family, peak))
                     break
                 k *= 2
-        best = min(fits, default=None)
+        best = min(fits, key=lambda fit: fit[0], default=None)  # by time (a tie would compare None with an int)
         if best is None:
             return {"fastest_s": None, "seconds": 0.0}
         return {"fastest_s": best[0], "fastest": _label(best[1], best[2]), "fastest_peak": best[3],
