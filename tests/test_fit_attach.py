@@ -24,6 +24,7 @@ def test_fit_trains_what_stock_fit_trains_over_epochs(rng, micro_batches):
     ours, stock = mlp(hidden=32), mlp(hidden=32)
     for model in (ours, stock):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", weighted_metrics=["mae"])
+    stock.optimizer.build(stock.trainable_variables)  # stock fit then traces once, not twice
     effgrad.attach(ours, micro_batches=micro_batches)
     history = ours.fit(x, y, sample_weight=w, batch_size=37, epochs=3, shuffle=False, verbose=0).history
     expected = stock.fit(x, y, sample_weight=w, batch_size=37, epochs=3, shuffle=False, verbose=0).history
@@ -40,6 +41,7 @@ def test_fit_update_equals_plain_fit_update(rng):
     plain, accumulated = mlp(), mlp()
     for model in (plain, accumulated):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    plain.optimizer.build(plain.trainable_variables)  # stock fit then traces once, not twice
     effgrad.attach(accumulated, micro_batches=5)
     h_plain = plain.fit(x, y, batch_size=29, epochs=1, verbose=0, shuffle=False)
     h_acc = accumulated.fit(x, y, batch_size=29, epochs=1, verbose=0, shuffle=False)

@@ -1,11 +1,8 @@
 """effgrad.memory.measure sees what a call allocates."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
-from helpers import in_fresh_processes
+from helpers import in_fresh_processes, run_forked
 
 _KNOWN_ALLOCATIONS = textwrap.dedent(
     """
@@ -37,12 +34,14 @@ def test_peak_grows_with_a_known_allocation():
 
 
 def test_no_allocator_statistics_is_an_error_not_zero():
-    """TensorFlow used before effgrad is imported, without TF_CPU_ALLOCATOR_USE_BFC: say so."""
+    """TensorFlow's context started without TF_CPU_ALLOCATOR_USE_BFC (TensorFlow used before effgrad was
+    imported): say so. A forked child's context has not started yet: it starts here, without the variable."""
     code = textwrap.dedent(
         """
-        import tensorflow as tf
-        tf.constant(1.0)                   # TensorFlow's context starts before effgrad is imported:
-        import effgrad, keras              # too late to choose the BFC allocator
+        import os
+        os.environ.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+        import effgrad, keras, tensorflow as tf
+        tf.constant(1.0)                   # the context starts: the allocator is chosen, without BFC
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
         try:
             report = effgrad.memory.measure(lambda: model(tf.ones([256, 64])))
@@ -52,7 +51,6 @@ def test_no_allocator_statistics_is_an_error_not_zero():
             print("PEAK", report.peak_bytes)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    status, out, err = run_forked(code, {"no statistics": []}, timeout=120)["no statistics"]
+    assert status == 0, err[-3000:]
     assert out.startswith("ERROR") and "TF_CPU_ALLOCATOR_USE_BFC" in out, out

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.explain import engine
-from helpers import Forked, in_fresh_processes
+from helpers import Forked, in_fresh_processes, run_forked
 
 
 def _model(seed=0):
@@ -306,11 +306,12 @@ def test_cli_end_to_end(tmp_path, x, capfd):
         "16",
         "--no-progress",
     ]
-    # Once as users run it (its own process, the installed entry point's module); then in this process.
-    command = [sys.executable, "-m", "effgrad.cli", *arguments]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "wrote" in done.stdout
+    # Once as `python -m effgrad.cli` runs it (the module as __main__, in a process of its own, forked
+    # from one that imported the libraries); then in this process.
+    main = "import runpy; runpy.run_module('effgrad.cli', run_name='__main__')"
+    status, out, err = run_forked(main, {"cli": arguments})["cli"]
+    assert status == 0, err[-2000:]
+    assert "wrote" in out
     expected = effgrad.saliency(model, x, reduce="abs_max", batch_size=16, progress=False)
     np.testing.assert_allclose(np.load(tmp_path / "maps.npy"), expected, rtol=1e-6)
     capfd.readouterr()
