@@ -1,5 +1,7 @@
 """Accumulated micro-batch updates equal the plain full-batch update."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from helpers import mlp, plain_step, sequence_model
+from helpers import mlp, numpy_vars, plain_step, sequence_model
 
 
 def _data(rng, batch, zeros=(0,)):
@@ -18,21 +20,32 @@ def _data(rng, batch, zeros=(0,)):
     return x, y, w
 
 
-def _compare(
-    rng, micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularizer=None, weighted=True
-):
-    x, y, w = _data(rng, batch, zeros=(0, 3))
+def _regularizer(regularized):
+    return keras.regularizers.L2(0.05) if regularized else None
+
+
+# Every micro-batch count and mode of one batch is compared with the same full-batch step: computed
+# once per process (its data from a fresh rng(0), as each test's rng fixture gives them).
+@functools.cache
+def _full_batch_step(batch, weighted, optimizer, regularized):
+    """``((x, y, w), loss, model variables, optimizer variables)`` of the plain full-batch update (NumPy)."""
+    x, y, w = _data(np.random.default_rng(0), batch, zeros=(0, 3))
     w = w if weighted else None
-    reference, model = mlp(regularizer=regularizer), mlp(regularizer=regularizer)
-    ref_opt, opt = optimizer(learning_rate=0.1), optimizer(learning_rate=0.1)
+    reference, ref_opt = mlp(regularizer=_regularizer(regularized)), optimizer(learning_rate=0.1)
     expected = plain_step(reference, keras.losses.mean_squared_error, ref_opt, x, y, w)
+    return (x, y, w), expected, numpy_vars(reference.trainable_variables), numpy_vars(ref_opt.variables)
+
+
+def _compare(micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularized=False, weighted=True):
+    (x, y, w), expected, reference, ref_opt = _full_batch_step(batch, weighted, optimizer, regularized)
+    model, opt = mlp(regularizer=_regularizer(regularized)), optimizer(learning_rate=0.1)
     step = effgrad.build_train_step(
         model, keras.losses.MeanSquaredError(), opt, micro_batches=micro_batches, jit_compile=jit_compile
     )
     logs = step(x, y, sample_weight=w)
     np.testing.assert_allclose(float(logs["loss"]), expected, rtol=1e-5)
-    assert_variables_close(model.trainable_variables, reference.trainable_variables)
-    assert_variables_close(opt.variables, ref_opt.variables)
+    assert_variables_close(model.trainable_variables, reference)
+    assert_variables_close(opt.variables, ref_opt)
     return step
 
 
@@ -46,44 +59,64 @@ weighted = pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "
     "micro_batches, batch",
     [(1, 13), (2, 16), (3, 13), (5, 4), (8, 1), (8, 13), (8, 16)],  # even, uneven, more micro-batches than rows
 )
-def test_accumulated_update_equals_full_batch(rng, micro_batches, batch, weighted):
-    _compare(rng, micro_batches, batch, weighted=weighted)
+def test_accumulated_update_equals_full_batch(micro_batches, batch, weighted):
+    _compare(micro_batches, batch, weighted=weighted)
 
 
 @weighted
 @pytest.mark.parametrize("micro_batches", [1, 4, 8])
-def test_accumulated_update_equals_full_batch_under_xla(rng, micro_batches, weighted):
-    _compare(rng, micro_batches, 16 if micro_batches == 4 else 13, jit_compile=True, weighted=weighted)
+def test_accumulated_update_equals_full_batch_under_xla(micro_batches, weighted):
+    _compare(micro_batches, 16 if micro_batches == 4 else 13, jit_compile=True, weighted=weighted)
 
 
 @weighted
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_adam_slots_equal_full_batch(rng, jit_compile, weighted):
-    _compare(rng, 5, 13, jit_compile=jit_compile, optimizer=keras.optimizers.Adam, weighted=weighted)
+def test_adam_slots_equal_full_batch(jit_compile, weighted):
+    _compare(5, 13, jit_compile=jit_compile, optimizer=keras.optimizers.Adam, weighted=weighted)
 
 
 @weighted
 @pytest.mark.parametrize("micro_batches", [1, 4])
-def test_kernel_regularizer_counted_once(rng, micro_batches, weighted):
-    _compare(rng, micro_batches, 11, regularizer=keras.regularizers.L2(0.05), weighted=weighted)
+def test_kernel_regularizer_counted_once(micro_batches, weighted):
+    _compare(micro_batches, 11, regularized=True, weighted=weighted)
 
 
-@pytest.mark.parametrize("micro_batches, jit_compile", [(1, True), (3, False), (3, True)])
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
-@weighted
-def test_keras_reductions_computed_over_the_whole_batch(rng, reduction, micro_batches, jit_compile, weighted):
-    """Keras's own Loss.__call__ on the whole batch is the reference for each reduction name."""
+def _sequence_data(rng, weights):
     batch, steps = 7, 5
     x = rng.normal(size=(batch, steps, 4)).astype("float32")
     y = rng.integers(0, 6, size=(batch, steps))
-    w = (rng.uniform(size=(batch, steps)) > 0.3).astype("float32") * 1.5 if weighted else None
+    if weights == "per_token":
+        w = (rng.uniform(size=(batch, steps)) > 0.3).astype("float32")  # padding mask
+    elif weights == "per_example":
+        w = rng.uniform(0.0, 1.0, size=batch).astype("float32")
+    else:
+        w = None
+    return x, y, w
+
+
+@functools.cache
+def _keras_reduction_step(reduction, weighted):
+    """``((x, y, w), loss, model variables)``: Keras's own Loss.__call__ on the whole batch, one SGD step
+    (the reference of every micro-batch count and mode; its data from a fresh rng(0))."""
+    x, y, w = _sequence_data(np.random.default_rng(0), "per_token" if weighted else None)
+    w = None if w is None else w * 1.5
     keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
-    reference, model = sequence_model(), sequence_model()
+    reference = sequence_model()
     with tf.GradientTape() as tape:
         expected = keras_loss(y, reference(x, training=True), sample_weight=w)
     keras.optimizers.SGD(0.5).apply(
         tape.gradient(expected, reference.trainable_variables), reference.trainable_variables
     )
+    return (x, y, w), float(expected), numpy_vars(reference.trainable_variables)
+
+
+@pytest.mark.parametrize("micro_batches, jit_compile", [(1, True), (3, False), (3, True)])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+@weighted
+def test_keras_reductions_computed_over_the_whole_batch(reduction, micro_batches, jit_compile, weighted):
+    """Keras's own Loss.__call__ on the whole batch is the reference for each reduction name."""
+    (x, y, w), expected, reference = _keras_reduction_step(reduction, weighted)
+    model = sequence_model()
     step = effgrad.build_train_step(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -92,8 +125,8 @@ def test_keras_reductions_computed_over_the_whole_batch(rng, reduction, micro_ba
         jit_compile=jit_compile,
         reduction=reduction,
     )
-    np.testing.assert_allclose(float(step(x, y, w)["loss"]), float(expected), rtol=1e-5)
-    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+    np.testing.assert_allclose(float(step(x, y, w)["loss"]), expected, rtol=1e-5)
+    assert_variables_close(model.trainable_variables, reference)
 
 
 def test_unknown_reduction_is_refused():
@@ -131,22 +164,25 @@ def test_variable_that_does_not_reach_the_loss_is_left_alone(rng, micro_batches)
     assert int(opt.iterations.numpy()) == 1
 
 
+@functools.cache
+def _masked_full_batch_step(mask_shape):
+    """``((x, y, w), loss, model variables)`` of the plain full-batch step (NumPy; data from a fresh rng(0))."""
+    x, y, w = _sequence_data(np.random.default_rng(0), mask_shape)
+    reference = sequence_model()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    expected = plain_step(reference, loss.call, keras.optimizers.SGD(0.5), x, y, w)
+    return (x, y, w), expected, numpy_vars(reference.trainable_variables)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("mask_shape", ["per_token", "per_example"])
-def test_masked_sequence_loss_normalized_over_all_tokens(rng, jit_compile, mask_shape):
-    batch, steps = 7, 5
-    x = rng.normal(size=(batch, steps, 4)).astype("float32")
-    y = rng.integers(0, 6, size=(batch, steps))
-    if mask_shape == "per_token":
-        w = (rng.uniform(size=(batch, steps)) > 0.3).astype("float32")  # padding mask
-    else:
-        w = rng.uniform(0.0, 1.0, size=batch).astype("float32")
+def test_masked_sequence_loss_normalized_over_all_tokens(jit_compile, mask_shape):
+    (x, y, w), expected, reference = _masked_full_batch_step(mask_shape)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    reference, model = sequence_model(), sequence_model()
-    expected = plain_step(reference, loss.call, keras.optimizers.SGD(0.5), x, y, w)
+    model = sequence_model()
     step = effgrad.build_train_step(model, loss, keras.optimizers.SGD(0.5), micro_batches=3, jit_compile=jit_compile)
     np.testing.assert_allclose(float(step(x, y, w)["loss"]), expected, rtol=1e-5)
-    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+    assert_variables_close(model.trainable_variables, reference)
 
 
 def test_callable_loss_and_nested_inputs(rng):

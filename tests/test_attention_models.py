@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
+from helpers import plain_step
 
 MODES = {
     "eager": lambda f: f,
@@ -154,13 +155,21 @@ def _lm_batch(vocabulary, batch=4, length=16, seed=0):
     return x, tf.constant(np.roll(tokens, -1, axis=1)), tf.constant(padding.astype("float32"))
 
 
-def _train(model, steps=1, **options):
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = effgrad.build_train_step(model, loss, keras.optimizers.Adam(1e-2), **options)
-    batch = _lm_batch(model.backbone.vocabulary_size if hasattr(model, "backbone") else 50)
-    for _ in range(steps):
-        step(*batch)
+_LM_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _train(model, **options):
+    """One effgrad step on :func:`_lm_batch`: the step and the weights after it."""
+    step = effgrad.build_train_step(model, _LM_LOSS, keras.optimizers.Adam(1e-2), **options)
+    step(*_lm_batch(50))
     return step, [v.numpy() for v in model.trainable_variables]
+
+
+def _unpatched(model):
+    """The weights after the same update as a plain GradientTape step, with Keras's own attention: an eager
+    run (a second traced effgrad step would cost several times more)."""
+    plain_step(model, _LM_LOSS.call, keras.optimizers.Adam(1e-2), *_lm_batch(50))
+    return [v.numpy() for v in model.trainable_variables]
 
 
 def _gpt2_lm():
@@ -175,7 +184,7 @@ def _gpt2_lm():
 @pytest.mark.slow
 def test_gpt2_lm_step_equals_the_unpatched_step_also_with_the_fused_loss_and_checkpointing():
     """The unpatched step against the routed one composed with the fused loss and effgrad's checkpointing."""
-    _, plain = _train(_gpt2_lm(), attention=False, fused_loss=False)
+    plain = _unpatched(_gpt2_lm())
     step, routed = _train(effgrad.checkpoint_model(_gpt2_lm(), segments=2), attention=True, fused_loss=True)
     assert step.attention and step.fused_loss, step.attention_reason
     assert "transformer_layer_0/self_attention" in step.attention_reason
@@ -193,7 +202,7 @@ def _llama_lm():
 @pytest.mark.slow
 def test_llama_lm_step_equals_the_unpatched_step():
     """Grouped-query attention (keras_hub repeats the key/value heads before its attention)."""
-    _, plain = _train(_llama_lm(), attention=False)
+    plain = _unpatched(_llama_lm())
     step, routed = _train(_llama_lm(), attention=True)
     assert step.attention, step.attention_reason
     assert_all_close(routed, plain)
@@ -213,7 +222,7 @@ def test_mirrored_strategy_step_equals_one_device(strategy):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     keras.utils.set_random_seed(0)
     single = _attention_classifier()
-    effgrad.build_train_step(single, loss, keras.optimizers.SGD(0.5), attention=False)(x, y)
+    plain_step(single, loss.call, keras.optimizers.SGD(0.5), x, y)  # one device, Keras's own attention
     keras.utils.set_random_seed(0)
     with strategy.scope():
         mirrored = _attention_classifier()

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from helpers import plain_step
 
 MODES = ["eager", "function", "xla"]
 
@@ -17,7 +18,7 @@ def _compile(fn, mode):
     return tf.function(fn, jit_compile=mode == "xla")
 
 
-def _grads(model, x, mode, **call_kwargs):
+def _grads_function(model, mode, **call_kwargs):
     def fn(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -25,7 +26,11 @@ def _grads(model, x, mode, **call_kwargs):
             loss = tf.reduce_sum(tf.sin(y))
         return y, tape.gradient(loss, [x] + model.trainable_variables)
 
-    return _compile(fn, mode)(tf.convert_to_tensor(x))
+    return _compile(fn, mode)
+
+
+def _grads(model, x, mode, **call_kwargs):
+    return _grads_function(model, mode, **call_kwargs)(tf.convert_to_tensor(x))
 
 
 def _dense_stack(seed=0):
@@ -139,15 +144,18 @@ def test_dropout_gradient_uses_the_forward_mask(rng, mode):
 def test_dropout_random_state_advances_as_without_checkpointing(rng, mode):
     plain, source = _dropout_block(), _dropout_block()
     wrapped = effgrad.checkpoint(source)
-    x = rng.uniform(size=(8, 64)).astype("float32")
-    for model in (plain, wrapped):
+    x = tf.constant(rng.uniform(size=(8, 64)).astype("float32"))
+    # One traced function per model, called for every step as training calls its step: the state is read
+    # when it runs, not when it was traced (and XLA compiles each model once, not three times).
+    plain_grads, wrapped_grads = (_grads_function(model, mode, training=True) for model in (plain, wrapped))
+    for grads in (plain_grads, wrapped_grads):
         for _ in range(2):  # two steps: the second starts from the state the first left
-            _grads(model, x, mode, training=True)
+            grads(x)
     np.testing.assert_array_equal(
         source.layers[0].seed_generator.state.numpy(), plain.layers[0].seed_generator.state.numpy()
     )
-    y0, g0 = _grads(plain, x, mode, training=True)
-    y1, g1 = _grads(wrapped, x, mode, training=True)
+    y0, g0 = plain_grads(x)
+    y1, g1 = wrapped_grads(x)
     np.testing.assert_allclose(y1, y0, rtol=1e-6)
     assert_variables_close(g1, g0)
 
@@ -278,12 +286,14 @@ def test_inside_train_step_with_micro_batches_and_fit(rng):
     x = rng.normal(size=(11, 6)).astype("float32")
     y = rng.normal(size=(11, 6)).astype("float32")
     plain, checkpointed = make(), effgrad.checkpoint_sequential(make(), segments=2)
-    for model in (plain, checkpointed):
-        effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), micro_batches=3)(x, y)
+    effgrad.build_train_step(checkpointed, "mse", keras.optimizers.SGD(0.1), micro_batches=3)(x, y)
+    # The reference: the plain model's full-batch update, by a tape (eagerly: no second trace).
+    plain_step(plain, keras.losses.mean_squared_error, keras.optimizers.SGD(0.1), x, y)
     assert_variables_close(checkpointed.trainable_variables, plain.trainable_variables)
-    # fit with attach on the checkpointed model == stock fit on the plain one (values, not just finiteness)
-    for model in (plain, checkpointed):
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    # fit with attach on the checkpointed model == stock fit on the plain one (values, not just finiteness);
+    # the stock one eagerly, a reference whose trace and retrace (the short last batch) cost 3 s.
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", run_eagerly=True)
+    checkpointed.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     effgrad.attach(checkpointed, micro_batches=2)
     h_plain = plain.fit(x, y, epochs=3, batch_size=4, verbose=0, shuffle=False)
     h_checkpointed = checkpointed.fit(x, y, epochs=3, batch_size=4, verbose=0, shuffle=False)

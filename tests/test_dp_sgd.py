@@ -17,13 +17,21 @@ def _mlp(seed=0, width=8):
     return keras.Sequential([keras.Input((5,)), keras.layers.Dense(width, activation="tanh"), keras.layers.Dense(3)])
 
 
-def _clipped_mean(model, loss, x, y, clip, sample_weight=None):
-    """sum_i g_i * min(1, C / |g_i|) / B from one backward pass per example; and how many were clipped."""
-    grads = naive_per_example_gradients(model, loss, x, y, sample_weight)
-    norms = [np.sqrt(sum(float(np.sum(g * g)) for g in example)) for example in grads]
-    factors = [min(1.0, clip / n) if n > 0 else 1.0 for n in norms]
+def _norms(grads):
+    """``[batch]``: the norm of each example's gradient (``grads`` as naive_per_example_gradients gives them)."""
+    return np.array([np.sqrt(sum(float(np.sum(g * g)) for g in example)) for example in grads])
+
+
+def _clip_and_average(grads, clip):
+    """sum_i g_i * min(1, C / |g_i|) / B; and how many were clipped."""
+    factors = [min(1.0, clip / n) if n > 0 else 1.0 for n in _norms(grads)]
     total = [sum(f * example[j] for f, example in zip(factors, grads)) / len(grads) for j in range(len(grads[0]))]
     return total, sum(f < 1 for f in factors)
+
+
+def _clipped_mean(model, loss, x, y, clip, sample_weight=None):
+    """sum_i g_i * min(1, C / |g_i|) / B from one backward pass per example; and how many were clipped."""
+    return _clip_and_average(naive_per_example_gradients(model, loss, x, y, sample_weight), clip)
 
 
 def _two_pass_mean(model, loss, x, y, clip, norms, sample_weight=None):
@@ -62,9 +70,12 @@ def families_batch():
     x, y = [ids, rng.normal(size=(rows, 6, 6, 4)).astype("float32")], rng.integers(0, 3, rows)
     w = rng.uniform(0.5, 2.0, rows).astype("float32")
     model = _families()
-    norms = effgrad.per_example_norms(model, _LOSS, x, y, w, training=True).numpy()
+    # The norms from the per-example gradients themselves: effgrad.per_example_norms (a trace of its own)
+    # equals them (test_per_example_norms.py), and the step under test computes its own.
+    grads = naive_per_example_gradients(model, _LOSS, x, y, w)
+    norms = _norms(grads)
     clip = float(np.median(norms))
-    naive, clipped = _clipped_mean(model, _LOSS, x, y, clip=clip, sample_weight=w)
+    naive, clipped = _clip_and_average(grads, clip)
     assert 3 <= clipped <= 4  # about half the examples are clipped: the clipping decides the update
     two_pass = _two_pass_mean(model, _LOSS, x, y, clip, norms, w)
     loss = float(np.mean(per_example_losses(_LOSS, y, model(x), w)))
@@ -116,15 +127,19 @@ def test_recurrent_text_classifier_trains_with_the_clipped_mean(rng):
 
 def test_several_replicas_give_the_one_device_update(rng, strategy):
     x, y = rng.normal(size=(10, 5)).astype("float32"), rng.integers(0, 3, 10)
+    # The one-device update is the clipped mean over the whole batch (the tests above): computed directly,
+    # one backward pass per example, rather than by a second traced step.
     one = _mlp()
-    effgrad.build_train_step(one, _LOSS, keras.optimizers.SGD(1.0), per_example_clip=0.5, noise_multiplier=0.0)(x, y)
+    expected_grad, clipped = _clipped_mean(one, _LOSS, x, y, clip=0.5)
+    assert clipped >= 2
+    expected = _after_sgd(one, expected_grad)
     with strategy.scope():
         two, optimizer = _mlp(), keras.optimizers.SGD(1.0)
     step = effgrad.build_train_step(
         two, _LOSS, optimizer, micro_batches=2, strategy=strategy, per_example_clip=0.5, noise_multiplier=0.0
     )
     step(x, y)
-    assert_variables_close(two.trainable_variables, one.trainable_variables, rtol=1e-5, atol=1e-6)
+    assert_variables_close(two.trainable_variables, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_keras_hub_bert_with_padding_clips_each_example(rng):
@@ -152,46 +167,61 @@ def test_keras_hub_bert_with_padding_clips_each_example(rng):
     assert_variables_close(model.trainable_variables, expected, rtol=1e-4, atol=1e-6)
 
 
-def _noise(rng, *, sigma, clip, seed, steps=1, strategy=None, micro_batches=1):
-    """What the noise added to the update: the update minus the noiseless one, per step (SGD, lr 1)."""
+_NOISE_CLIP = 0.5
+
+
+@pytest.fixture(scope="module")
+def noise_batch():
+    """A batch, the initial weights of ``_mlp(width=256)`` and its update without noise (SGD, lr 1): the
+    clipped mean gradient, which the noiseless step equals to float32 precision (the tests above), far
+    below the noise's scale. It does not depend on the step number: it serves every draw below."""
+    rng = np.random.default_rng(0)
     x, y = rng.normal(size=(8, 5)).astype("float32"), rng.integers(0, 3, 8)
+    model = _mlp(width=256)
+    noiseless, _ = _clipped_mean(model, _LOSS, x, y, clip=_NOISE_CLIP)
+    return x, y, numpy_vars(model.trainable_variables), noiseless
+
+
+def _noise(batch, *, sigma, seed, steps=(0,), strategy=None, micro_batches=1):
+    """What the noise added to the update: the update minus the noiseless one, at each optimizer step in
+    ``steps`` (one step built and traced, run from the same weights at each step number)."""
+    x, y, before, noiseless = batch
+    scope = strategy.scope() if strategy is not None else tf.init_scope()
+    with scope:
+        model, optimizer = _mlp(width=256), keras.optimizers.SGD(1.0)
+        optimizer.build(model.trainable_variables)
+    step = effgrad.build_train_step(
+        model, _LOSS, optimizer, per_example_clip=_NOISE_CLIP, noise_multiplier=sigma, seed=seed,
+        strategy=strategy, micro_batches=micro_batches,
+    )  # fmt: skip
     draws = []
-    for _ in range(steps):
-        results = []
-        for multiplier in (sigma, 0.0):
-            scope = strategy.scope() if strategy is not None else tf.init_scope()
-            with scope:
-                model, optimizer = _mlp(width=256), keras.optimizers.SGD(1.0)
-                optimizer.build(model.trainable_variables)
-            optimizer.iterations.assign(len(draws))  # the step number the noise is drawn for
-            before = numpy_vars(model.trainable_variables)
-            step = effgrad.build_train_step(
-                model, _LOSS, optimizer, per_example_clip=clip, noise_multiplier=multiplier, seed=seed,
-                strategy=strategy, micro_batches=micro_batches,
-            )  # fmt: skip
-            step(x, y)
-            results.append([b - a for a, b in zip(numpy_vars(model.trainable_variables), before)])
-        draws.append(np.concatenate([(n - q).ravel() for n, q in zip(*results)]))
+    for number in steps:
+        for variable, value in zip(model.trainable_variables, before):
+            variable.assign(value)
+        optimizer.iterations.assign(number)  # the step number the noise is drawn for
+        step(x, y)
+        update = [b - a for a, b in zip(numpy_vars(model.trainable_variables), before)]
+        draws.append(np.concatenate([(u - q).ravel() for u, q in zip(update, noiseless)]))
     return draws, len(x)
 
 
-def test_noise_has_the_dp_sgd_scale_once_per_batch_and_fresh_every_step(rng):
-    (first, second), rows = _noise(rng, sigma=1.5, clip=0.5, seed=7, steps=2)
+def test_noise_has_the_dp_sgd_scale_once_per_batch_and_fresh_every_step(noise_batch):
+    (first, second), rows = _noise(noise_batch, sigma=1.5, seed=7, steps=(0, 1))
     assert first.size > 2000
-    expected = 1.5 * 0.5 / rows  # sigma * C, then divided by the batch size
+    expected = 1.5 * _NOISE_CLIP / rows  # sigma * C, then divided by the batch size
     assert abs(first.mean()) < 0.05 * expected
     assert first.std() == pytest.approx(expected, rel=0.05)
     assert abs(np.corrcoef(first, second)[0, 1]) < 0.05  # a new draw at every step
-    again, _ = _noise(rng, sigma=1.5, clip=0.5, seed=7, steps=1)
-    np.testing.assert_allclose(again[0], first, atol=1e-6)  # the seed makes it reproducible
-    other, _ = _noise(rng, sigma=1.5, clip=0.5, seed=8, steps=1)
-    assert abs(np.corrcoef(first, other[0])[0, 1]) < 0.05
+    (again,), _ = _noise(noise_batch, sigma=1.5, seed=7)  # another step built with the same seed
+    np.testing.assert_allclose(again, first, atol=1e-6)  # the seed makes it reproducible
+    (other,), _ = _noise(noise_batch, sigma=1.5, seed=8)
+    assert abs(np.corrcoef(first, other)[0, 1]) < 0.05
 
 
-def test_noise_is_added_once_across_micro_batches_and_replicas(rng, strategy):
-    (noise,), rows = _noise(rng, sigma=2.0, clip=1.0, seed=3, strategy=strategy, micro_batches=2)
+def test_noise_is_added_once_across_micro_batches_and_replicas(noise_batch, strategy):
+    (noise,), rows = _noise(noise_batch, sigma=2.0, seed=3, strategy=strategy, micro_batches=2)
     # Noise drawn per replica (or per micro-batch) and summed would be sqrt(2) (or 2) times larger.
-    assert noise.std() == pytest.approx(2.0 * 1.0 / rows, rel=0.05)
+    assert noise.std() == pytest.approx(2.0 * _NOISE_CLIP / rows, rel=0.05)
 
 
 def test_mixed_float16_clips_the_unscaled_gradients(rng):

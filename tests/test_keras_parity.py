@@ -10,20 +10,43 @@ from conftest import assert_variables_close
 from helpers import mlp
 
 
-def _pair(make):
-    """Two identical models: one for stock fit, one for effgrad."""
-    return make(), make()
+def stock_fit(model, x, y, sample_weight=None, batch_size=12):
+    """Stock Keras's training of one epoch as ``fit(..., shuffle=False)`` runs it: its train step on
+    each batch in order (``train_on_batch``: the same step, without the tf.data pipeline fit builds
+    around it), and fit's history: the batches' losses averaged over their examples."""
+    n = len(tf.nest.flatten(x)[0])
+    losses, sizes = [], []
+    for start in range(0, n, batch_size):
+        rows = slice(start, start + batch_size)
+        batch = [
+            None if t is None else tf.nest.map_structure(lambda a, rows=rows: a[rows], t) for t in (x, y, sample_weight)
+        ]
+        losses.append(model.train_on_batch(*batch, return_dict=True)["loss"])
+        sizes.append(min(batch_size, n - start))
+    return {"loss": [float(np.average(losses, weights=sizes))]}
 
 
-def _fit_both(make, compile_kwargs, x, y, sample_weight=None, batch_size=12, epochs=1, **attach_options):
-    stock, ours = _pair(make)
-    for model in (stock, ours):
-        model.compile(**compile_kwargs())
+def attached_fit(make, compile_kwargs, x, y, sample_weight=None, batch_size=12, **attach_options):
+    """A new model compiled with ``compile_kwargs()``, attached, trained one epoch by ``fit``; its history."""
+    ours = make()
+    ours.compile(**compile_kwargs())
     effgrad.attach(ours, **attach_options)
-    kwargs = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, sample_weight=sample_weight)
-    h_stock = stock.fit(x, y, **kwargs)
-    h_ours = ours.fit(x, y, **kwargs)
-    return stock, ours, h_stock.history, h_ours.history
+    kwargs = dict(batch_size=batch_size, epochs=1, shuffle=False, verbose=0, sample_weight=sample_weight)
+    return ours, ours.fit(x, y, **kwargs).history
+
+
+def _stock(make, compile_kwargs, x, y, sample_weight=None, batch_size=12):
+    stock = make()
+    stock.compile(**compile_kwargs())
+    return stock, stock_fit(stock, x, y, sample_weight, batch_size)
+
+
+def _assert_same_update(stock, ours, h_stock, h_ours, case=""):
+    try:
+        assert_variables_close(ours.trainable_variables, stock.trainable_variables)
+        np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+    except AssertionError as err:
+        raise AssertionError(f"{case}: {err}") from None
 
 
 def _regression(rng, n=24):
@@ -33,7 +56,6 @@ def _regression(rng, n=24):
     return x, y, w
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize(
     "loss, reduction",
     [
@@ -43,14 +65,14 @@ def _regression(rng, n=24):
     ],
     ids=["default", "sum", "mean_with_sample_weight"],
 )
-def test_compiled_loss_reduction_with_sample_weights(rng, loss, reduction, micro_batches):
+def test_compiled_loss_reduction_with_sample_weights(rng, loss, reduction):
     x, y, w = _regression(rng)
-    stock, ours, h_stock, h_ours = _fit_both(
-        mlp, lambda: {"optimizer": keras.optimizers.SGD(0.05), "loss": loss}, x, y, w, micro_batches=micro_batches
-    )
-    assert ours.effgrad_step.reduction == reduction
-    assert_variables_close(ours.trainable_variables, stock.trainable_variables)
-    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+    compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.05), "loss": loss}  # noqa: E731
+    stock, h_stock = _stock(mlp, compile_kwargs, x, y, w)  # the reference of every micro_batches
+    for micro_batches in (1, 3):
+        ours, h_ours = attached_fit(mlp, compile_kwargs, x, y, w, micro_batches=micro_batches)
+        assert ours.effgrad_step.reduction == reduction
+        _assert_same_update(stock, ours, h_stock, h_ours, f"micro_batches={micro_batches}")
 
 
 def _masked_lm(vocab=7, width=8):
@@ -61,9 +83,8 @@ def _masked_lm(vocab=7, width=8):
     return keras.Model(tokens, keras.layers.Dense(vocab)(h))
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_keras_mask_on_y_pred_weights_the_loss(rng, micro_batches, weighted):
+def test_keras_mask_on_y_pred_weights_the_loss(rng, weighted):
     tokens = rng.integers(1, 7, size=(12, 6)).astype("int32")
     lengths = rng.integers(1, 7, size=12)
     tokens[np.arange(6)[None, :] >= lengths[:, None]] = 0  # padding of uneven lengths
@@ -73,18 +94,19 @@ def test_keras_mask_on_y_pred_weights_the_loss(rng, micro_batches, weighted):
         "optimizer": keras.optimizers.SGD(0.5),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    stock, ours, h_stock, h_ours = _fit_both(_masked_lm, compile_kwargs, tokens, labels, w, micro_batches=micro_batches)
-    assert_variables_close(ours.trainable_variables, stock.trainable_variables)
-    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+    stock, h_stock = _stock(_masked_lm, compile_kwargs, tokens, labels, w)
+    for micro_batches in (1, 3):
+        ours, h_ours = attached_fit(_masked_lm, compile_kwargs, tokens, labels, w, micro_batches=micro_batches)
+        _assert_same_update(stock, ours, h_stock, h_ours, f"micro_batches={micro_batches}")
 
 
 def test_compile_jit_compile_with_micro_batches_and_no_weights(rng):
     x, y, _ = _regression(rng)
-    compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse", "jit_compile": True}  # noqa: E731
-    stock, ours, h_stock, h_ours = _fit_both(mlp, compile_kwargs, x, y, micro_batches=4)
+    compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"}  # noqa: E731
+    stock, h_stock = _stock(mlp, compile_kwargs, x, y)  # without XLA: the same update
+    ours, h_ours = attached_fit(mlp, lambda: {**compile_kwargs(), "jit_compile": True}, x, y, micro_batches=4)
     assert ours.effgrad_step.options.jit_compile
-    assert_variables_close(ours.trainable_variables, stock.trainable_variables)
-    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5)
+    _assert_same_update(stock, ours, h_stock, h_ours)
 
 
 @pytest.mark.parametrize("optimizer", [keras.optimizers.SGD, keras.optimizers.Adam])
@@ -93,13 +115,15 @@ def test_mixed_float16_has_one_loss_scale(rng, optimizer):
     keras.config.set_dtype_policy("mixed_float16")
     x, y, w = _regression(rng)
     compile_kwargs = lambda: {"optimizer": optimizer(0.01), "loss": "mse"}  # noqa: E731
-    stock, ours, h_stock, h_ours = _fit_both(lambda: mlp(hidden=16), compile_kwargs, x, y, w, micro_batches=2)
+    stock, _ = _stock(lambda: mlp(hidden=16), compile_kwargs, x, y, w)
+    ours, _ = attached_fit(lambda: mlp(hidden=16), compile_kwargs, x, y, w, micro_batches=2)
     assert isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
     step = ours.effgrad_step
     assert step.optimizer is ours.optimizer.inner_optimizer
     assert step.loss_scale._scale is ours.optimizer.dynamic_scale.value  # one scale: the wrapper's variable
-    moved_stock = [a - b for a, b in zip(stock.get_weights(), mlp(hidden=16).get_weights())]
-    moved_ours = [a - b for a, b in zip(ours.get_weights(), mlp(hidden=16).get_weights())]
+    initial = mlp(hidden=16).get_weights()
+    moved_stock = [a - b for a, b in zip(stock.get_weights(), initial)]
+    moved_ours = [a - b for a, b in zip(ours.get_weights(), initial)]
     for a, b in zip(moved_ours, moved_stock):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-5)  # float16 forward: rounding only
     assert np.abs(moved_ours[0]).max() > 1e-4  # updates are not divided by the scale a second time
@@ -172,7 +196,9 @@ def test_attach_runs_one_forward_pass_per_micro_batch(rng):
         keras.utils.set_random_seed(0)
         return keras.Sequential([keras.Input((5,)), _ForwardCounter(), keras.layers.Dense(3)])
 
-    stock, ours, *_ = _fit_both(make, lambda: {"optimizer": "sgd", "loss": "mse"}, x, y, micro_batches=4)
+    compile_kwargs = lambda: {"optimizer": "sgd", "loss": "mse"}  # noqa: E731
+    stock, _ = _stock(make, compile_kwargs, x, y)
+    ours, _ = attached_fit(make, compile_kwargs, x, y, micro_batches=4)
     assert float(stock.layers[0].calls.numpy()) == 2  # two batches of 12
     assert float(ours.layers[0].calls.numpy()) == 8  # two batches x four micro-batches
 
@@ -200,13 +226,21 @@ def test_optimizer_that_cannot_be_kept_from_reducing_twice_is_refused():
 
 
 def test_tf_function_and_eager_reference_match_fit(rng):
-    """Sanity: the stock reference really is Keras's update (one SGD step by hand)."""
-    x, y, w = _regression(rng, 12)
-    model = mlp()
-    reference = mlp()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    model.fit(x, y, sample_weight=w, batch_size=12, verbose=0)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(w * keras.losses.mean_squared_error(y, reference(x))) / 12  # sum_over_batch_size
-    keras.optimizers.SGD(0.05).apply(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables)
-    assert_variables_close(model.trainable_variables, reference.trainable_variables)
+    """Sanity: the stock references (fit, and stock_fit batch by batch) really are Keras's update and
+    its logged loss (SGD steps by hand)."""
+    x, y, w = _regression(rng)
+    fitted, stepped, reference = mlp(), mlp(), mlp()
+    for model in (fitted, stepped):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = fitted.fit(x, y, sample_weight=w, batch_size=12, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(stock_fit(stepped, x, y, w)["loss"], history["loss"], rtol=1e-6)
+    optimizer, losses = keras.optimizers.SGD(0.05), []
+    for rows in (slice(0, 12), slice(12, 24)):
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.mean_squared_error(y[rows], reference(x[rows]))
+            loss = tf.reduce_sum(w[rows] * per_example) / 12  # sum_over_batch_size
+        optimizer.apply(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables)
+        losses.append(float(loss))
+    np.testing.assert_allclose(history["loss"], [np.mean(losses)], rtol=1e-5)
+    for model in (fitted, stepped):
+        assert_variables_close(model.trainable_variables, reference.trainable_variables)

@@ -1,8 +1,12 @@
 """attach + fit equals stock Keras fit in the families a red team found different, and a random harness over them.
 
-Every comparison is with stock ``model.fit`` on an identical model (weights,
-optimizer iterations, non-trainable state, logged loss), never with effgrad.
+Every comparison is with stock Keras's training of one epoch on an identical model (weights, optimizer
+iterations, non-trainable state, logged loss), never with effgrad: its train step on each batch in order
+(``stock_fit``: fit without its tf.data pipeline). Options that train the same thing (micro-batches,
+XLA) are compared with one stock run.
 """
+
+import functools
 
 import keras
 import numpy as np
@@ -11,23 +15,41 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from test_keras_parity import attached_fit, stock_fit
+
+
+def _stock(make, compile_kwargs, x, y, sample_weight=None, batch_size=12):
+    stock = make()
+    stock.compile(**compile_kwargs())
+    return stock, stock_fit(stock, x, y, sample_weight, batch_size)
 
 
 def _fit_both(make, compile_kwargs, x, y, sample_weight=None, batch_size=12, **attach_options):
-    stock, ours = make(), make()
-    for model in (stock, ours):
-        model.compile(**compile_kwargs())
-    effgrad.attach(ours, **attach_options)
-    kwargs = dict(batch_size=batch_size, epochs=1, shuffle=False, verbose=0, sample_weight=sample_weight)
-    h_stock = stock.fit(x, y, **kwargs).history
-    h_ours = ours.fit(x, y, **kwargs).history
+    stock, h_stock = _stock(make, compile_kwargs, x, y, sample_weight, batch_size)
+    ours, h_ours = attached_fit(make, compile_kwargs, x, y, sample_weight, batch_size, **attach_options)
     return stock, ours, h_stock, h_ours
 
 
-def _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-6):
-    assert_variables_close(ours.variables, stock.variables, atol=atol)  # trainable and non-trainable state
-    assert int(ours.optimizer.iterations) == int(stock.optimizer.iterations)
-    np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5, atol=1e-7)
+def _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-6, case=None):
+    try:
+        assert_variables_close(ours.variables, stock.variables, atol=atol)  # trainable and non-trainable state
+        assert int(ours.optimizer.iterations) == int(stock.optimizer.iterations)
+        np.testing.assert_allclose(h_ours["loss"], h_stock["loss"], rtol=1e-5, atol=1e-7)
+    except AssertionError as err:
+        if case is None:
+            raise
+        raise AssertionError(f"{case}: {err}") from None
+
+
+def _assert_each_trains_as_stock(make, compile_kwargs, x, y, sample_weight=None, atol=1e-6, micro_batches=(1, 2)):
+    """attach(micro_batches=k) + fit equals one stock run, for each k; the attached histories."""
+    stock, h_stock = _stock(make, compile_kwargs, x, y, sample_weight)
+    histories = []
+    for k in micro_batches:
+        ours, h_ours = attached_fit(make, compile_kwargs, x, y, sample_weight, micro_batches=k)
+        _assert_same_training(stock, ours, h_stock, h_ours, atol, case=f"micro_batches={k}")
+        histories.append(h_ours)
+    return histories
 
 
 def _mlp(outputs=3, seed=0):
@@ -44,25 +66,21 @@ def _two_heads(seed=0, second=1, names=("a", "b"), as_dict=False):
     return keras.Model(inputs, {names[0]: a, names[1]: b} if as_dict else [a, b])
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-def test_loss_weights_scale_the_loss_as_in_keras(rng, micro_batches):
+def test_loss_weights_scale_the_loss_as_in_keras(rng):
     x, y = rng.normal(size=(24, 5)).astype("float32"), rng.normal(size=(24, 3)).astype("float32")
     compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.05), "loss": "mse", "loss_weights": [5.0]}  # noqa: E731
-    result = _fit_both(_mlp, compile_kwargs, x, y, micro_batches=micro_batches)
-    _assert_same_training(*result)
-    assert result[3]["loss"][0] > 3.0  # 5x the plain MSE of ~1: the weight is really applied
+    for history in _assert_each_trains_as_stock(_mlp, compile_kwargs, x, y, micro_batches=(1, 3)):
+        assert history["loss"][0] > 3.0  # 5x the plain MSE of ~1: the weight is really applied
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_one_loss_for_several_outputs_is_summed_over_them(rng, micro_batches):
+def test_one_loss_for_several_outputs_is_summed_over_them(rng):
     x = rng.normal(size=(24, 5)).astype("float32")
     y = [rng.normal(size=(24, 1)).astype("float32") for _ in range(2)]
     compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.05), "loss": "mse"}  # noqa: E731
-    _assert_same_training(*_fit_both(_two_heads, compile_kwargs, x, y, micro_batches=micro_batches))
+    _assert_each_trains_as_stock(_two_heads, compile_kwargs, x, y)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_dict_of_losses_with_loss_weights_and_outputs_of_different_shapes(rng, micro_batches):
+def test_dict_of_losses_with_loss_weights_and_outputs_of_different_shapes(rng):
     x = rng.normal(size=(24, 5)).astype("float32")
     y = {"a": rng.normal(size=(24, 1)).astype("float32"), "b": rng.integers(0, 4, size=(24,))}
     w = rng.uniform(0.2, 2.0, size=24).astype("float32")
@@ -72,7 +90,7 @@ def test_dict_of_losses_with_loss_weights_and_outputs_of_different_shapes(rng, m
         "loss_weights": {"a": 0.3, "b": 2.0},
     }
     make = lambda: _two_heads(second=4, as_dict=True)  # noqa: E731
-    _assert_same_training(*_fit_both(make, compile_kwargs, x, y, w, micro_batches=micro_batches), atol=1e-5)
+    _assert_each_trains_as_stock(make, compile_kwargs, x, y, w, atol=1e-5)
 
 
 def test_list_of_losses_with_mean_with_sample_weight_and_micro_batches(rng):
@@ -138,26 +156,31 @@ def _dense_gradient_adam_reference(tokens, labels, batch_size=12):
     return model
 
 
-@pytest.mark.parametrize(
-    "optimizer, jit_compile, fused_update",
-    [(keras.optimizers.Adam, False, False), (keras.optimizers.AdamW, True, False), (keras.optimizers.Adam, True, True),
-     (keras.optimizers.AdamW, False, True)],  # each optimizer, mode and update path, each pair of them once
-)  # fmt: skip
-def test_embedding_with_repeated_ids_gets_keras_update_at_one_micro_batch(rng, optimizer, jit_compile, fused_update):
+def test_embedding_with_repeated_ids_gets_keras_update_at_one_micro_batch(rng):
     """One micro-batch on one device: the embedding's IndexedSlices reach the optimizer as in stock fit
-    (Keras's Adam squares each duplicate row apart), over several steps."""
+    (Keras's Adam squares each duplicate row apart), over several steps: each optimizer, mode and update
+    path, each pair of them once, against one stock run (without XLA) per optimizer."""
     tokens = rng.integers(0, 5, size=(48, 6)).astype("int32")  # 6 ids from 5: every row repeats one
     labels = rng.integers(0, 3, size=48)
-    compile_kwargs = lambda: {  # noqa: E731
-        "optimizer": optimizer(0.1),
-        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        "jit_compile": jit_compile,
+    summed = _dense_gradient_adam_reference(tokens, labels).get_weights()[0]
+
+    def compile_kwargs(optimizer, jit_compile=False):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return {"optimizer": optimizer(0.1), "loss": loss, "jit_compile": jit_compile}
+
+    cases = {
+        keras.optimizers.Adam: [(False, False), (True, True)],
+        keras.optimizers.AdamW: [(True, False), (False, True)],
     }
-    stock, ours, h_stock, h_ours = _fit_both(
-        _embedding_classifier, compile_kwargs, tokens, labels, fused_update=fused_update
-    )
-    _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-5)
-    assert not np.allclose(ours.get_weights()[0], _dense_gradient_adam_reference(tokens, labels).get_weights()[0])
+    for optimizer, modes in cases.items():
+        stock, h_stock = _stock(_embedding_classifier, functools.partial(compile_kwargs, optimizer), tokens, labels)
+        for jit_compile, fused_update in modes:
+            options = functools.partial(compile_kwargs, optimizer, jit_compile)
+            ours, h_ours = attached_fit(_embedding_classifier, options, tokens, labels, fused_update=fused_update)
+            case = f"{optimizer.__name__}, XLA: {jit_compile}, fused_update: {fused_update}"
+            assert ours.effgrad_step.options.jit_compile is jit_compile, case
+            _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-5, case=case)
+            assert not np.allclose(ours.get_weights()[0], summed), case
 
 
 def test_embedding_with_adam_and_micro_batches_gets_the_summed_gradient(rng):
@@ -171,25 +194,21 @@ def test_embedding_with_adam_and_micro_batches_gets_the_summed_gradient(rng):
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
     for k in (2, 4):
-        stock, ours, *_ = _fit_both(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=k)
+        ours, _ = attached_fit(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=k)
         assert_variables_close(ours.trainable_variables, reference.trainable_variables, atol=1e-5)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2, 4])
-def test_embedding_with_sgd_equals_stock_fit_for_every_micro_batches(rng, micro_batches):
+def test_embedding_with_sgd_equals_stock_fit_for_every_micro_batches(rng):
     """SGD is linear in the gradient: summing duplicate rows first changes nothing."""
     tokens, labels = rng.integers(0, 5, size=(24, 6)).astype("int32"), rng.integers(0, 3, size=24)
     compile_kwargs = lambda: {  # noqa: E731
         "optimizer": keras.optimizers.SGD(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    _assert_same_training(
-        *_fit_both(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=micro_batches)
-    )
+    _assert_each_trains_as_stock(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=(1, 2, 4))
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_embedding_with_adam_equals_stock_fit_without_duplicate_ids(rng, micro_batches):
+def test_embedding_with_adam_equals_stock_fit_without_duplicate_ids(rng):
     """Without a duplicate id in a batch, the summed gradient and Keras's IndexedSlices are the same rows."""
     tokens = np.concatenate([rng.permutation(5) for _ in range(4)])[:, None].astype("int32")  # batches of 5 ids
     labels = rng.integers(0, 3, size=20)
@@ -197,8 +216,10 @@ def test_embedding_with_adam_equals_stock_fit_without_duplicate_ids(rng, micro_b
         "optimizer": keras.optimizers.Adam(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    result = _fit_both(_embedding_one_token, compile_kwargs, tokens, labels, batch_size=5, micro_batches=micro_batches)
-    _assert_same_training(*result, atol=1e-5)
+    stock, h_stock = _stock(_embedding_one_token, compile_kwargs, tokens, labels, batch_size=5)
+    for k in (1, 2):
+        ours, h_ours = attached_fit(_embedding_one_token, compile_kwargs, tokens, labels, batch_size=5, micro_batches=k)
+        _assert_same_training(stock, ours, h_stock, h_ours, atol=1e-5, case=f"micro_batches={k}")
 
 
 def _embedding_one_token():
@@ -252,12 +273,11 @@ def test_build_train_step_still_skips_an_all_zero_weight_batch(rng):
     assert int(step.optimizer.iterations) == 0
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-def test_sample_weight_of_shape_batch_by_one(rng, micro_batches):
+def test_sample_weight_of_shape_batch_by_one(rng):
     x, y = rng.normal(size=(24, 5)).astype("float32"), rng.normal(size=(24, 3)).astype("float32")
     w = rng.uniform(0.0, 2.0, size=(24, 1)).astype("float32")
     compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.1), "loss": "mse"}  # noqa: E731
-    _assert_same_training(*_fit_both(_mlp, compile_kwargs, x, y, w, micro_batches=micro_batches))
+    _assert_each_trains_as_stock(_mlp, compile_kwargs, x, y, w, micro_batches=(1, 3))
 
 
 def _stateful_rnn():
@@ -422,8 +442,7 @@ def _token_tagger():
     return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(7, 4), keras.layers.Dense(4)])
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-def test_ignore_class_masks_the_loss_as_keras_does(rng, micro_batches):
+def test_ignore_class_masks_the_loss_as_keras_does(rng):
     """The loss's own mask (ignore_class) joins y_pred's: ignored tokens weigh nothing, normalization included."""
     tokens = rng.integers(0, 7, size=(12, 6)).astype("int32")
     labels = rng.integers(0, 4, size=(12, 6))
@@ -432,11 +451,10 @@ def test_ignore_class_masks_the_loss_as_keras_does(rng, micro_batches):
         "optimizer": keras.optimizers.SGD(0.5),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
     }
-    _assert_same_training(*_fit_both(_token_tagger, compile_kwargs, tokens, labels, micro_batches=micro_batches))
+    _assert_each_trains_as_stock(_token_tagger, compile_kwargs, tokens, labels, micro_batches=(1, 3))
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_per_example_weights_of_token_losses_are_normalized_as_keras_does(rng, micro_batches):
+def test_per_example_weights_of_token_losses_are_normalized_as_keras_does(rng):
     """[batch, 1] weights of [batch, T] token losses: Keras's mean_with_sample_weight divides by the sum of
     the weights as given (over the batch), not broadcast to every token (T times more)."""
     tokens, tags = rng.integers(0, 9, size=(24, 6)).astype("int32"), rng.integers(0, 40, size=(24, 6))
@@ -445,4 +463,4 @@ def test_per_example_weights_of_token_losses_are_normalized_as_keras_does(rng, m
         "optimizer": keras.optimizers.SGD(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
     }
-    _assert_same_training(*_fit_both(_tagger, compile_kwargs, tokens, tags, w, micro_batches=micro_batches))
+    _assert_each_trains_as_stock(_tagger, compile_kwargs, tokens, tags, w)
