@@ -146,7 +146,7 @@ def test_other_layers_and_overriding_subclasses_fall_back_exactly_with_one_warni
     h = _Scale()(_HalfDense(5)(_RenamedDense(5)(tokens)))
     cells = [keras.layers.LSTMCell(3), keras.layers.GRUCell(2)]
     stacked = keras.layers.RNN(keras.layers.StackedRNNCells(cells), unroll=True)  # no closed form: a fallback
-    r = stacked(keras.layers.Reshape((3, 5))(keras.layers.Dense(15)(h)))
+    r = stacked(keras.layers.Reshape((2, 5))(keras.layers.Dense(10)(h)))  # (2 steps: each is traced again)
     model = keras.Model(tokens, keras.layers.Dense(2)(r))
     x, y = rng.normal(size=(6, 6)).astype("float32"), rng.normal(size=(6, 2)).astype("float32")
     with pytest.warns(UserWarning, match="no closed form") as caught:

@@ -76,8 +76,11 @@ def _at_zero_embedding(model, embedding, x, unit):
         embedding.embeddings.assign(saved)
 
 
-@pytest.fixture(params=["bert", "gpt2"])
-def text_model(request, rng):
+@pytest.fixture(scope="module", params=["bert", "gpt2"])
+def text_model(request):
+    """``(model, token embedding, x)``, shared by the tests below: none changes the model (one puts the
+    embedding matrix back), and their jobs (target, method) differ, so none takes another's from the cache."""
+    rng = np.random.default_rng(0)
     if request.param == "bert":
         model = _bert()
         return model, model.backbone.get_layer("token_embedding"), _tokens(rng)
