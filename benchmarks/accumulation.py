@@ -95,6 +95,7 @@ def child(config: dict) -> dict:
     else:
         opt = optimizer(gradient_accumulation_steps=k) if k > 1 else optimizer()
         model.compile(optimizer=opt, loss=loss)
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
         size = batch // k
         chunks = [(x[i * size : (i + 1) * size], y[i * size : (i + 1) * size]) for i in range(k)]
 

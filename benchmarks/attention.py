@@ -115,6 +115,7 @@ def lm_child(config: dict) -> dict:
     method, routed = config["method"], None
     if method == "keras":
         model.compile(optimizer=opt, loss=loss, weighted_metrics=[])
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
 
         def one_step():
             return model.train_on_batch(x, y, sample_weight=w)

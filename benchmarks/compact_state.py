@@ -140,6 +140,7 @@ def _memory_child(config: dict) -> dict:
         opt = effgrad.compact_state(opt, dtype=config["state"])
     if config["method"] == "keras":
         model.compile(optimizer=opt, loss="mse")
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
 
         def one_step():
             return model.train_on_batch(x, y)

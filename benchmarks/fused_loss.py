@@ -105,6 +105,7 @@ def child(config: dict) -> dict:
     opt = keras.optimizers.Adam(1e-4)
     if method == "keras":
         model.compile(optimizer=opt, loss=loss, weighted_metrics=[])
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
 
         def one_step():
             return model.train_on_batch(x, y, sample_weight=w)

@@ -36,6 +36,7 @@ def child(config: dict) -> dict:
     if config["kind"] == "keras_loss_scale_optimizer":
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-4))
         model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
 
         def step():
             return model.train_on_batch(x, y)

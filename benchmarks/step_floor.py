@@ -78,6 +78,7 @@ def child(config: dict) -> dict:
     fused_update = None
     if method == "keras":
         model.compile(optimizer=opt, loss="mse")
+        model.optimizer.build(model.trainable_variables)  # else the first call traces twice
         size = batch // k
         rows = [slice(i * size, (i + 1) * size) for i in range(k)]
         chunks = [(tf.nest.map_structure(lambda t, r=r: t[r], x), y[r]) for r in rows]
