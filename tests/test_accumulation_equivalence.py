@@ -37,16 +37,20 @@ def _full_batch_step(batch, weighted, optimizer, regularized):
 
 
 def _compare(micro_batches, batch, jit_compile=False, optimizer=keras.optimizers.SGD, regularized=False, weighted=True):
-    (x, y, w), expected, reference, ref_opt = _full_batch_step(batch, weighted, optimizer, regularized)
     model, opt = mlp(regularizer=_regularizer(regularized)), optimizer(learning_rate=0.1)
     step = effgrad.build_train_step(
         model, keras.losses.MeanSquaredError(), opt, micro_batches=micro_batches, jit_compile=jit_compile
     )
+    _check_update(step, batch, weighted, optimizer, regularized)
+    return step
+
+
+def _check_update(step, batch, weighted, optimizer=keras.optimizers.SGD, regularized=False):
+    (x, y, w), expected, reference, ref_opt = _full_batch_step(batch, weighted, optimizer, regularized)
     logs = step(x, y, sample_weight=w)
     np.testing.assert_allclose(float(logs["loss"]), expected, rtol=1e-5)
-    assert_variables_close(model.trainable_variables, reference)
-    assert_variables_close(opt.variables, ref_opt)
-    return step
+    assert_variables_close(step.model.trainable_variables, reference)
+    assert_variables_close(step.optimizer.variables, ref_opt)
 
 
 # Every equivalence runs with and without sample weights: a normalizer
@@ -55,12 +59,24 @@ weighted = pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "
 
 
 @weighted
-@pytest.mark.parametrize(
-    "micro_batches, batch",
-    [(1, 13), (2, 16), (3, 13), (5, 4), (8, 1), (8, 13), (8, 16)],  # even, uneven, more micro-batches than rows
-)
-def test_accumulated_update_equals_full_batch(micro_batches, batch, weighted):
-    _compare(micro_batches, batch, weighted=weighted)
+def test_accumulated_update_equals_full_batch(weighted):
+    """Each split of a batch: even, uneven, more micro-batches than rows. Without XLA the number of
+    micro-batches and the batch size are tensors: every k >= 2 and batch size runs one trace (as training
+    changing micro_batches between calls runs it), each case from the initial weights and optimizer state.
+    micro_batches=1 goes first: on a step without accumulators it is the plain step (no loop)."""
+    step = _compare(1, 13, weighted=weighted)
+    model, opt = step.model, step.optimizer
+    fresh_model, fresh_opt = mlp(), keras.optimizers.SGD(learning_rate=0.1)
+    fresh_opt.build(fresh_model.trainable_variables)
+    initial = numpy_vars(fresh_model.trainable_variables + fresh_opt.variables)
+    for micro_batches, batch in [(2, 16), (3, 13), (5, 4), (8, 1), (8, 13), (8, 16)]:
+        for variable, value in zip(model.trainable_variables + opt.variables, initial):
+            variable.assign(value)
+        step.micro_batches = micro_batches
+        try:
+            _check_update(step, batch, weighted)
+        except AssertionError as err:
+            raise AssertionError(f"micro_batches={micro_batches}, batch={batch}: {err}") from None
 
 
 @weighted

@@ -7,6 +7,7 @@ import time
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import effgrad
 from effgrad import cli
@@ -103,7 +104,7 @@ def test_token_model_from_npz_with_layer(run, tmp_path, rng):
     model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
     model.save(tmp_path / "bert.keras")
     x = {
-        "token_ids": rng.integers(1, 100, (6, 10)).astype("int32"),
+        "token_ids": rng.permutation(np.arange(1, 100))[:60].reshape(6, 10).astype("int32"),  # all distinct
         "segment_ids": np.zeros((6, 10), "int32"),
         "padding_mask": np.ones((6, 10), "int32"),
     }
@@ -111,7 +112,13 @@ def test_token_model_from_npz_with_layer(run, tmp_path, rng):
     done = run(tmp_path / "bert.keras", tmp_path / "tokens.npz", "--out", tmp_path / "scores.npy",
                 "--layer", "token_embedding", "--reduce", "sum")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    expected = effgrad.saliency(model, x, layer="token_embedding", reduce="sum", progress=False)
+    # The tape's reference (no second job to trace): with distinct ids, the gradient at position t of the
+    # embedding's output is row ids[t] of the gradient w.r.t. the embedding matrix.
+    embedding = backbone.get_layer("token_embedding")
+    with tf.GradientTape() as tape:
+        outputs = model(x, training=False)
+        score = tf.reduce_sum(tf.reduce_max(outputs, axis=-1))  # the default target: each row's arg-max
+    expected = tf.convert_to_tensor(tape.gradient(score, embedding.embeddings)).numpy()[x["token_ids"]].sum(-1)
     np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), expected, rtol=1e-4, atol=1e-7)
 
 

@@ -26,14 +26,17 @@ def _data(rng, n=16, features=32):
     return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
-def _changes(make_optimizer, x, y, steps, **options):
-    """The weights' change from the start, after each of ``steps`` steps."""
-    model = _model()
+def _changes(make_optimizer, x, y, steps, first=None, **options):
+    """The weights' change from the start, after each of ``steps`` steps; ``first(step)`` is called
+    after the first."""
+    model, optimizer = _model(), make_optimizer()
     start = [w.copy() for w in model.get_weights()]
-    step = effgrad.build_train_step(model, "mse", make_optimizer(), **options)
+    step = effgrad.build_train_step(model, "mse", optimizer, **options)
     changes = []
-    for _ in range(steps):
+    for i in range(steps):
         step(x, y)
+        if i == 0 and first is not None:
+            first(step)
         changes.append([w - s for w, s in zip(model.get_weights(), start)])
     return changes
 
@@ -202,27 +205,38 @@ def _counting(cls, calls):
     return Counted
 
 
-def test_the_stored_state_is_compact_and_holds_the_moments(rng):
-    x, y = _data(rng)
-    model, opt = _model(), effgrad.compact_state(keras.optimizers.Adam(0.01))
-    reference, ref_opt = _model(), keras.optimizers.Adam(0.01)
-    effgrad.build_train_step(model, "mse", opt)(x, y)
-    plain_step(reference, keras.losses.MeanSquaredError(reduction=None), ref_opt, x, y)
-    slot = opt._velocities[0]
-    assert [str(v.dtype) for v in slot._storage] == ["int8", "float32"]
-    v = ref_opt._velocities[0].numpy()
-    np.testing.assert_allclose(tf.convert_to_tensor(slot).numpy(), v, atol=2.01 / 255 * np.abs(v).max())
-
-
 def _compact_adam():
     return effgrad.compact_state(keras.optimizers.Adam(0.01))
+
+
+def _compact_adam_steps(x, y):
+    """Compact Adam's changes after each of 3 steps; after the first, the first kernel's second moment
+    (the dtypes it is stored in, its value); whether "auto" fused the updates with backprop."""
+    seen = []
+
+    def velocity(step):
+        slot = step.optimizer._velocities[0]
+        seen.append(([str(v.dtype) for v in slot._storage], tf.convert_to_tensor(slot).numpy(), step.fused_update))
+
+    changes = _changes(_compact_adam, x, y, 3, first=velocity)
+    return changes, seen[0][:2], seen[0][2]
+
+
+def test_the_stored_state_is_compact_and_holds_the_moments(rng, shared):
+    x, y = _data(rng)
+    dtypes, velocity = shared("compact adam", lambda: _compact_adam_steps(x, y))[1]
+    reference, ref_opt = _model(), keras.optimizers.Adam(0.01)
+    plain_step(reference, keras.losses.MeanSquaredError(reduction=None), ref_opt, x, y)
+    assert dtypes == ["int8", "float32"]
+    v = ref_opt._velocities[0].numpy()
+    np.testing.assert_allclose(velocity, v, atol=2.01 / 255 * np.abs(v).max())
 
 
 @pytest.mark.parametrize("mode, steps", [("eager", 2), ("xla", 3)])  # against the tf.function's steps
 def test_compact_steps_agree_in_eager_function_and_xla(rng, shared, mode, steps):
     # (Eager, each op of the compact update runs on its own: two steps, from zero and from compact state.)
     x, y = _data(rng)
-    reference = shared("compact adam", lambda: _changes(_compact_adam, x, y, 3))[steps - 1]
+    reference = shared("compact adam", lambda: _compact_adam_steps(x, y))[0][steps - 1]
     tf.config.run_functions_eagerly(mode == "eager")
     try:
         got = _changes(_compact_adam, x, y, steps, jit_compile=mode == "xla")[-1]
@@ -233,18 +247,20 @@ def test_compact_steps_agree_in_eager_function_and_xla(rng, shared, mode, steps)
 
 @pytest.mark.parametrize(
     "options",
-    [{"fused_update": True}, {"micro_batches": 2, "clip_norm": 0.1}, {"loss_scale": 1024.0}],
+    [{"fused_update": True, "loss_scale": 1024.0}, {"micro_batches": 2, "clip_norm": 0.1}],
     ids=lambda o: "-".join(o),
 )
 def test_compact_state_composes_with_the_steps_options(rng, shared, options):
-    # Clipped, against the whole batch clipped (the clipped gradient is the micro-batches' sum's).
+    # Fused and loss-scaled, against updates after backprop ("auto" fuses this model's: the
+    # reference asks for fused_update=False). Clipped (the micro-batches gather their gradients),
+    # against the whole batch clipped, fused: the clipped gradient is the micro-batches' sum's.
     x, y = _data(rng)
 
     def make():
         return effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1))
 
-    clip = {"clip_norm": 0.1} if "clip_norm" in options else {}
-    plain = shared(("compact adamw", *clip), lambda: _changes(make, x, y, 3, **clip)[-1])
+    reference = {"clip_norm": 0.1} if "clip_norm" in options else {"fused_update": False}
+    plain = shared(("compact adamw", *reference), lambda: _changes(make, x, y, 3, **reference)[-1])
     _assert_close_in_norm(_changes(make, x, y, 3, **options)[-1], plain)
 
 
@@ -285,6 +301,7 @@ def test_keras_file_saves_the_compact_state_and_resumes_bit_identically(rng, tmp
     x, y = _data(rng)
     model = _model()
     model.compile(effgrad.compact_state(keras.optimizers.Adam(0.01)), "mse")
+    model.optimizer.build(model.trainable_variables)  # else the first train_on_batch traces twice
     _fit_then_continue(model, x, y)
     path = tmp_path / "model.keras"
     model.save(path)
@@ -416,16 +433,12 @@ def test_the_optimizer_round_trips_through_its_config_as_the_planner_rebuilds_it
     assert any(str(v.dtype) == "bfloat16" for v in again.variables)
 
 
-def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng):
+def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng, shared):
     # Weights outweigh activations: both fuse (backprop waits for the compact updates: they hold less).
-    x, y = rng.normal(size=(4, 256)).astype("float32"), rng.normal(size=(4, 256)).astype("float32")
-    fused = {}
-    for name, opt in (("float32", keras.optimizers.Adam()), ("int8", effgrad.compact_state(keras.optimizers.Adam()))):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(256)])
-        step = effgrad.build_train_step(model, "mse", opt)
-        step(x, y)
-        fused[name] = step.fused_update
+    x, y = _data(rng)
+    step = effgrad.build_train_step(_model(), "mse", keras.optimizers.Adam(0.01))
+    step(x, y)
+    fused = {"float32": step.fused_update, "int8": shared("compact adam", lambda: _compact_adam_steps(x, y))[2]}
     assert fused == {"float32": True, "int8": True}
 
 

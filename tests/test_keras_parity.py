@@ -36,8 +36,10 @@ def attached_fit(make, compile_kwargs, x, y, sample_weight=None, batch_size=12, 
 
 
 def _stock(make, compile_kwargs, x, y, sample_weight=None, batch_size=12):
+    """Stock Keras's update, its train step run eagerly: the same step as traced (the reference's own check,
+    test_tf_function_and_eager_reference_match_fit), without a trace (two, with its optimizer not built)."""
     stock = make()
-    stock.compile(**compile_kwargs())
+    stock.compile(**compile_kwargs(), run_eagerly=True)
     return stock, stock_fit(stock, x, y, sample_weight, batch_size)
 
 
@@ -226,12 +228,12 @@ def test_optimizer_that_cannot_be_kept_from_reducing_twice_is_refused():
 
 
 def test_tf_function_and_eager_reference_match_fit(rng):
-    """Sanity: the stock references (fit, and stock_fit batch by batch) really are Keras's update and
-    its logged loss (SGD steps by hand)."""
+    """Sanity: the stock references (traced fit, and _stock's eager stock_fit batch by batch) really are
+    Keras's update and its logged loss (SGD steps by hand)."""
     x, y, w = _regression(rng)
     fitted, stepped, reference = mlp(), mlp(), mlp()
-    for model in (fitted, stepped):
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    fitted.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    stepped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)  # as _stock runs it
     history = fitted.fit(x, y, sample_weight=w, batch_size=12, shuffle=False, verbose=0).history
     np.testing.assert_allclose(stock_fit(stepped, x, y, w)["loss"], history["loss"], rtol=1e-6)
     optimizer, losses = keras.optimizers.SGD(0.05), []

@@ -21,6 +21,8 @@ from test_keras_parity import attached_fit, stock_fit
 def _stock(make, compile_kwargs, x, y, sample_weight=None, batch_size=12):
     stock = make()
     stock.compile(**compile_kwargs())
+    if stock.built:  # its slots made now: train_on_batch traces once, not twice (slots start at zero either way)
+        stock.optimizer.build(stock.trainable_variables)
     return stock, stock_fit(stock, x, y, sample_weight, batch_size)
 
 

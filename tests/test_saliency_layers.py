@@ -76,16 +76,21 @@ def _at_zero_embedding(model, embedding, x, unit):
         embedding.embeddings.assign(saved)
 
 
+@pytest.fixture(scope="module")
+def bert():
+    """``(BERT, x)``, shared by the tests below that read BERT and change nothing (one puts the embedding
+    matrix back): a job one of them cached on it gives another the same maps it would trace."""
+    return _bert(), _tokens(np.random.default_rng(0))
+
+
 @pytest.fixture(scope="module", params=["bert", "gpt2"])
 def text_model(request):
-    """``(model, token embedding, x)``, shared by the tests below: none changes the model (one puts the
-    embedding matrix back), and their jobs (target, method) differ, so none takes another's from the cache."""
-    rng = np.random.default_rng(0)
+    """``(model, token embedding, x)``."""
     if request.param == "bert":
-        model = _bert()
-        return model, model.backbone.get_layer("token_embedding"), _tokens(rng)
+        model, x = request.getfixturevalue("bert")
+        return model, model.backbone.get_layer("token_embedding"), x
     model, backbone = _gpt2_classifier()
-    return model, backbone.get_layer("token_embedding"), _tokens(rng, segment_ids=False)
+    return model, backbone.get_layer("token_embedding"), _tokens(np.random.default_rng(0), segment_ids=False)
 
 
 def test_gradient_at_the_token_embedding_equals_a_tape_on_the_embedding_output(text_model):
@@ -108,12 +113,11 @@ def test_integrated_gradients_complete_at_the_layer(text_model):
     np.testing.assert_allclose(ig.reshape(B, -1).sum(1), gap, rtol=0.01, atol=1e-6)
 
 
-def test_every_method_works_at_a_layer_and_reduces_to_one_score_per_token(rng):
-    model = _bert()
-    x = _tokens(rng)
+def test_every_method_works_at_a_layer_and_reduces_to_one_score_per_token(bert, l2_scores):
+    model, x = bert
     plain = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
-    per_token = effgrad.saliency(model, x, layer="token_embedding", target=2, reduce="sum", progress=False)
-    np.testing.assert_allclose(per_token, plain.sum(-1), rtol=1e-5, atol=1e-7)
+    per_token = np.load(l2_scores[2])  # reduce="l2" of the same maps (target 2)
+    np.testing.assert_allclose(per_token, np.sqrt((plain**2).sum(-1)), rtol=1e-5, atol=1e-7)
     noiseless = effgrad.saliency(
         model, x, layer="token_embedding", method="smoothgrad", samples=3, noise=0.0, target=2, progress=False
     )
@@ -129,9 +133,8 @@ def test_every_method_works_at_a_layer_and_reduces_to_one_score_per_token(rng):
     assert np.abs(noisy - plain).max() > 1e-4  # the noise is added in the layer's output space
 
 
-def test_layer_maps_shard_across_replicas(strategy, rng):
-    model = _bert()
-    x = _tokens(rng)
+def test_layer_maps_shard_across_replicas(strategy, bert):
+    model, x = bert
     sharded = effgrad.saliency(model, x, layer="token_embedding", strategy=strategy, progress=False)
     # Against the tape (the maps unsharded agree with it: the tests above), not a second job to trace.
     argmax = np.argmax(model(x, training=False), axis=-1)  # the default target
@@ -147,16 +150,16 @@ def _waits_to_patch(thread) -> bool:
     return frame is not None and frame.f_code is _compat.keras_layers.intercepted_call.__wrapped__.__code__
 
 
-def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
+def test_traces_in_two_threads_take_turns_with_the_layer_patch(bert):
     from effgrad import _compat
 
-    model = _bert()
-    x = _tokens(rng)
-    expected = effgrad.saliency(model, x, layer="token_embedding", target=1, progress=False)
+    model, x = bert
+    # The gradient test's target and batch size: its job, if still in the model's cache (the same maps either way).
+    expected = effgrad.saliency(model, x, layer="token_embedding", target=1, batch_size=3, progress=False)
     found = {}
 
-    def other_job():  # another target: a job of its own, traced (not taken from the job cache)
-        found["maps"] = effgrad.saliency(model, x, layer="token_embedding", target=2, progress=False)
+    def other_job():  # a target no other test of BERT asks for: a job of its own, traced (not from the cache)
+        found["maps"] = effgrad.saliency(model, x, layer="token_embedding", target=0, progress=False)
 
     with _compat.keras_layers._INTERCEPTING:  # as while another thread's job is being traced with the layer patched
         worker = threading.Thread(target=other_job)
@@ -169,19 +172,18 @@ def test_traces_in_two_threads_take_turns_with_the_layer_patch(rng):
         assert _waits_to_patch(worker) and not found  # it waits for the patch to be undone
     worker.join()
     assert "call" not in model.backbone.get_layer("token_embedding").__dict__  # the layer is itself again
-    again = effgrad.saliency(model, x, layer="token_embedding", target=1, progress=False)
+    again = effgrad.saliency(model, x, layer="token_embedding", target=1, batch_size=3, progress=False)
     np.testing.assert_array_equal(again, expected)
     np.testing.assert_allclose(
         found["maps"],
-        _embedding_rows_gradient(model, model.backbone.get_layer("token_embedding"), x, unit=2),
+        _embedding_rows_gradient(model, model.backbone.get_layer("token_embedding"), x, unit=0),
         rtol=1e-4,
         atol=1e-6,
     )
 
 
-def test_bad_layers_are_refused_before_any_work(tmp_path, rng):
-    model = _bert()
-    x = _tokens(rng)
+def test_bad_layers_are_refused_before_any_work(tmp_path, bert):
+    model, x = bert
     with pytest.raises(ValueError, match="no layer named 'token_embeddings'.*token_embedding"):
         effgrad.saliency(model, x, layer="token_embeddings", out=tmp_path / "m.npy", progress=False)
     with pytest.raises(ValueError, match="not a layer of this model"):
@@ -198,20 +200,19 @@ def test_bad_layers_are_refused_before_any_work(tmp_path, rng):
 
 
 @pytest.fixture(scope="module")
-def l2_scores(tmp_path_factory):
-    """``(model, x, out)``: BERT's per-token l2 scores of ``x`` written to ``out``, one job for the tests that
-    read them (neither changes the model or the file)."""
-    model = _bert()
-    x = _tokens(np.random.default_rng(0))
+def l2_scores(tmp_path_factory, bert):
+    """``(model, x, out)``: BERT's per-token l2 scores of ``x`` (of class 2) written to ``out``, one job for
+    the tests that read them (none changes the model or the file)."""
+    model, x = bert
     out = tmp_path_factory.mktemp("l2_scores") / "m.npy"
-    effgrad.saliency(model, x, layer="token_embedding", reduce="l2", out=out, progress=False)
+    effgrad.saliency(model, x, layer="token_embedding", reduce="l2", target=2, out=out, progress=False)
     return model, x, out
 
 
 def test_resume_with_another_layer_is_refused(l2_scores):
     model, x, out = l2_scores
     with pytest.raises(ValueError, match="layer"):
-        effgrad.saliency(model, x, layer="position_embedding", reduce="l2", out=out, resume=True)
+        effgrad.saliency(model, x, layer="position_embedding", reduce="l2", target=2, out=out, resume=True)
 
 
 def test_token_scores_picture(tmp_path, l2_scores):
