@@ -19,9 +19,13 @@ from test_keras_parity import attached_fit, stock_fit
 
 
 def _stock(make, compile_kwargs, x, y, sample_weight=None, batch_size=12):
+    """Stock Keras's train step run eagerly: the same step as traced (test_keras_parity's
+    test_tf_function_and_eager_reference_match_fit checks it), without a trace per reference. Traced for
+    _bn_regularized: the bias before its BatchNorm has a gradient of zero up to rounding, which Adam
+    scales to full steps, and eager rounding differs from the graph's."""
     stock = make()
-    stock.compile(**compile_kwargs())
-    if stock.built:  # its slots made now: train_on_batch traces once, not twice (slots start at zero either way)
+    stock.compile(**compile_kwargs(), run_eagerly=make is not _bn_regularized)
+    if not stock.run_eagerly:  # its slots made now: train_on_batch traces once, not twice
         stock.optimizer.build(stock.trainable_variables)
     return stock, stock_fit(stock, x, y, sample_weight, batch_size)
 
@@ -187,7 +191,8 @@ def test_embedding_with_repeated_ids_gets_keras_update_at_one_micro_batch(rng):
 
 def test_embedding_with_adam_and_micro_batches_gets_the_summed_gradient(rng):
     """With micro-batches the gradients are summed in a dense accumulator (as Keras's own
-    gradient_accumulation_steps sums them): Adam gets duplicate rows summed, for every k >= 2."""
+    gradient_accumulation_steps sums them): Adam gets duplicate rows summed, for every k >= 2 (one traced
+    loop serves every k >= 2: k=4 stands for them, its duplicates split over the most micro-batches)."""
     tokens = rng.integers(0, 5, size=(24, 6)).astype("int32")
     labels = rng.integers(0, 3, size=24)
     reference = _dense_gradient_adam_reference(tokens, labels)
@@ -195,19 +200,19 @@ def test_embedding_with_adam_and_micro_batches_gets_the_summed_gradient(rng):
         "optimizer": keras.optimizers.Adam(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    for k in (2, 4):
-        ours, _ = attached_fit(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=k)
-        assert_variables_close(ours.trainable_variables, reference.trainable_variables, atol=1e-5)
+    ours, _ = attached_fit(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=4)
+    assert_variables_close(ours.trainable_variables, reference.trainable_variables, atol=1e-5)
 
 
 def test_embedding_with_sgd_equals_stock_fit_for_every_micro_batches(rng):
-    """SGD is linear in the gradient: summing duplicate rows first changes nothing."""
+    """SGD is linear in the gradient: summing duplicate rows first changes nothing (k=1: the IndexedSlices;
+    k=4: the dense accumulator, one traced loop for every k >= 2)."""
     tokens, labels = rng.integers(0, 5, size=(24, 6)).astype("int32"), rng.integers(0, 3, size=24)
     compile_kwargs = lambda: {  # noqa: E731
         "optimizer": keras.optimizers.SGD(0.1),
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
-    _assert_each_trains_as_stock(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=(1, 2, 4))
+    _assert_each_trains_as_stock(_embedding_classifier, compile_kwargs, tokens, labels, micro_batches=(1, 4))
 
 
 def test_embedding_with_adam_equals_stock_fit_without_duplicate_ids(rng):
