@@ -111,11 +111,12 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng, caps
     state = [b.any() for b in before[len(model.variables) :]]
     assert not all(state) and any(state)
     assert any("seed" in v.path for v in model.variables)  # the Dropout's RNG state is among them
-    # Tight: above the 0.3 MiB that weights, Adam's state and the batch take (so the planner measures), far
-    # below what one step adds (each convolution's output alone: 1 MiB), whatever the allocator does.
+    # Tight: above the 0.3 MiB that weights, Adam's state and the batch take (so the planner measures), and
+    # one convolution's output (1 MiB) at most, whatever the kernels: with oneDNN's, 3 micro-batches fit in
+    # 4 MiB (2.8 MiB measured) and checkpointing was never tried.
     capsys.readouterr()
     try:  # the plain step measured, then micro-batches and checkpointing
-        effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget="4MiB", verbose=True)
+        effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget="1MiB", verbose=True)
     except ValueError:
         pass  # nothing fit: planning still ran steps, and still changes nothing
     said = capsys.readouterr().err  # each family measured: the plain step, micro-batched, checkpointed
