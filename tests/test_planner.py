@@ -5,7 +5,6 @@ TensorFlow can show.
 """
 
 import functools
-import re
 
 import keras
 import numpy as np
@@ -112,15 +111,16 @@ def test_planning_changes_no_variable_slot_iteration_statistic_or_seed(rng, caps
     assert not all(state) and any(state)
     assert any("seed" in v.path for v in model.variables)  # the Dropout's RNG state is among them
     # Tight: above the 0.3 MiB that weights, Adam's state and the batch take (so the planner measures), and
-    # one convolution's output (1 MiB) at most, whatever the kernels: with oneDNN's, 3 micro-batches fit in
-    # 4 MiB (2.8 MiB measured) and checkpointing was never tried.
+    # one convolution's output (1 MiB) at most: the plain step and micro-batches are measured. Whether the
+    # checkpointed family is too depends on measured times and on the kernels (with oneDNN's, micro-batches
+    # alone were chosen in a full run), so it is not required here.
     capsys.readouterr()
     try:  # the plain step measured, then micro-batches and checkpointing
         effgrad.plan(model, _LOSS, optimizer, x, y, memory_budget="1MiB", verbose=True)
     except ValueError:
         pass  # nothing fit: planning still ran steps, and still changes nothing
-    said = capsys.readouterr().err  # each family measured: the plain step, micro-batched, checkpointed
-    assert "segments=- (the plain step):" in said and "segments=-:" in said and re.search(r"segments=\d", said), said
+    said = capsys.readouterr().err  # measured: the plain step, micro-batched (and perhaps checkpointed)
+    assert "segments=- (the plain step):" in said and "segments=-:" in said, said
     for a, b in zip(before, [v.numpy() for v in [*model.variables, *optimizer.variables]]):
         np.testing.assert_array_equal(a, b)
 
