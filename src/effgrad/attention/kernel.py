@@ -184,7 +184,7 @@ def attend(q, k, v, mask, seed, plan: blocks.Plan):
     return run(q, k, v)
 
 
-# No AutoGraph: the kernel has no Python control flow on tensors, and converting it cost 5 s per trace.
+# No AutoGraph: the kernel has no Python control flow on tensors, and converting it costs seconds per trace.
 @tf.autograph.experimental.do_not_convert
 def attention(
     query, key, value, *, mask=None, causal: bool = False, scale: float | None = None, dropout_rate: float = 0.0,

@@ -6,9 +6,8 @@ the device in one ``tf.function`` with a ``None`` batch dimension, so a short
 last batch does not retrace it (``trace_count``).
 
 It is traced without AutoGraph: effgrad's own code has no Python control flow
-on tensors, and converting it cost about a second per new job (measured:
-most of the fixed cost of explaining 512 images). A callable target must
-therefore use ``tf.where``/``tf.cond`` rather than a Python ``if`` on tensors.
+on tensors, and converting it was most of the fixed cost of a short job.
+A callable target must therefore use ``tf.where``/``tf.cond`` rather than a Python ``if`` on tensors.
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 # The inputs' gradients only once the weights' exist: they start the previous block's
                 # recompute, and an executor that runs ready ops first in, first out (one inter-op
                 # thread) would otherwise leave this block's weight gradients, and the recomputed
-                # activations they read, for later: every block's alive at once (measured, 16 residual
-                # Dense blocks in 4 segments: 13.5-17.0 MiB, plain 15.8, with this 5.3).
+                # activations they read, for later: every block's alive at once, more than the plain
+                # model holds (tests/test_checkpoint_model.py's "one thread" case).
                 with tf.control_dependencies(grads[len(watched) :]):
                     grads = [tf.identity(g) for g in grads[: len(watched)]] + grads[len(watched) :]
             watched_grads = iter(grads[: len(watched)])

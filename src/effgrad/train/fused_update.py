@@ -28,16 +28,15 @@ whose uses cannot be told (read inside a recomputed block, a loop, a fused
 loss's custom gradient) keeps its gradient from pass 1 while such gradients
 add up to at most 1.2x the largest weight (a tied embedding that a fused loss
 reads). Beyond that (a checkpointed model), pass 2 is a second whole backward
-pass, LOMO's (Lv et al. 2024): measured on 8 Dense 2048x2048 with Adam,
-0.125 s per step sharing the chain against 0.169 s backpropagating twice
-(Keras's own step: 0.118 s).
+pass, LOMO's (Lv et al. 2024), which costs a backward pass more than sharing
+the chain (``python -m benchmarks run step_floor`` measures both).
 
 Trap: in a graph the forward pass is recorded on a one-use tape, and traced
 again on a persistent one only where the second whole backward pass is
 needed. Under a persistent tape TensorFlow wraps every loop for higher-order
 gradients, and the wrapper keeps what each iteration read: a recurrent
-layer's weights once per time step (measured, Embedding + GRU(256), T=200,
-batch 8: 291 MiB against 15 MiB with the one-use tape). A second backward
+layer's weights once per time step (tests/test_fused_update.py measures a GRU
+against the gathered step). A second backward
 pass through such a loop keeps them as well, so a model whose loop-read
 weights would need it takes the gathered step (:class:`Unfusable`).
 
@@ -45,10 +44,9 @@ Backprop waits for the updates (:func:`pace`): each gradient is made only
 once the updates before it have written, all but at most the largest
 variable's worth (twice that with compact int8 state, whose single-threaded
 updates would otherwise run one at a time on a 2-core machine).
-Without it the executor may run the whole backward pass ahead of the
-updates and hold every gradient: with one inter-op thread it did (Adam,
-6 Dense 1024x1024: 120.3 MiB as gathered; paced 80.8), and slow updates
-(compact state) lost the race on any number of threads.
+Without it nothing stops the executor from running the whole backward pass
+ahead of the updates and holding every gradient, as the gathered step does;
+how far it runs ahead depends on its threads and the machine's load.
 """
 
 from __future__ import annotations

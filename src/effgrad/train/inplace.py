@@ -4,14 +4,11 @@ Keras runs an optimizer's update of a variable op by op. Adam's
 
     m += (g - m) (1 - b1);   v += (g^2 - v) (1 - b2);   theta -= m alpha / (sqrt(v) + eps)
 
-makes a variable-sized temporary at nearly every op, several alive at once:
-on a 49 MiB token table the update holds 128 MiB more
-than the variables (AdamW 177, SGD with momentum 64). Compiled by XLA, the
-same update is one fused loop that reads ``g, m, v, theta`` and writes the
-three variables in place: 0 MiB more (measured, one process per optimizer).
-On 8 Dense 2048x2048 layers with Adam the step's peak falls from 669 to 526
-MiB gathered and from 440 to 409 MiB with ``fused_update`` (the floor: 401),
-and the step is faster (``python -m benchmarks run step_floor``).
+makes a variable-sized temporary at nearly every op, several alive at once.
+Compiled by XLA, the same update is one fused loop that reads ``g, m, v,
+theta`` and writes the three variables in place (tests/test_inplace_update.py
+compares the two). The step's peak falls and the step is faster
+(``python -m benchmarks run step_floor``).
 
 So while the train step's ``optimizer.apply`` runs, :func:`compiled` makes
 the update of each variable of at least ``MIN_ELEMENTS`` numbers one

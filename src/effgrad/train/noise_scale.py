@@ -12,7 +12,20 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["GradientNoiseScale", "terms"]
+__all__ = ["GradientNoiseScale", "add_micro_batch", "terms"]
+
+
+def add_micro_batch(sums: dict, squared_norm, local_rows, loss_scale) -> dict:
+    """``sums`` with one micro-batch's ``|g_i|^2`` added: ``squared_norm`` is its gradient's, made of a
+    scaled (``loss_scale``) sum over ``local_rows``; ``g_i`` is its MEAN-loss gradient (``sums["size"]`` rows)."""
+    size = sums["size"]
+    factor = tf.math.divide_no_nan(local_rows, loss_scale * size)
+    return {
+        "size": size,
+        "small_sq": sums["small_sq"] + squared_norm * factor**2,
+        "inverse_size": sums["inverse_size"] + tf.math.divide_no_nan(1.0, size),
+        "count": sums["count"] + tf.cast(size > 0, tf.float32),
+    }
 
 
 def terms(small_sq_sum, inverse_size_sum, count, big_sq, big_size):
@@ -81,6 +94,13 @@ class GradientNoiseScale(tf.Module):
             self.trace.assign(tf.where(apply, d * self.trace + (1 - d) * trace, self.trace)),
             self.updates.assign(tf.where(apply, self.updates + 1, self.updates)),
         )
+
+    def fold(self, sums: dict, big_sq, big_size, applied) -> dict:
+        """Folds a step's estimate in (from :func:`add_micro_batch`'s ``sums`` and the whole batch's ``|g_B|^2``,
+        when ``applied``: skipped steps do not count); the logs, after it."""
+        grad_sq, trace, valid = terms(sums["small_sq"], sums["inverse_size"], sums["count"], big_sq, big_size)
+        with tf.control_dependencies([self.update(grad_sq, trace, applied & valid)]):
+            return {k: tf.identity(v) for k, v in self.logs().items()}
 
     def logs(self) -> dict:
         correction = 1.0 - tf.pow(self.decay, self.updates)  # 0 before the first update

@@ -406,15 +406,8 @@ class TrainStep:
         """Adds ``|g_i|^2`` of each micro-batch's MEAN-loss gradient (scale and local rows undone)."""
 
         def on_gradients(grads, sums: flows.Sums) -> flows.Sums:
-            noise = sums.noise
-            size = noise["size"]
-            factor = tf.math.divide_no_nan(local_rows, self.loss_scale.value * size)
-            noise = {
-                "size": size,
-                "small_sq": noise["small_sq"] + update.squared_norm(grads) * factor**2,
-                "inverse_size": noise["inverse_size"] + tf.math.divide_no_nan(1.0, size),
-                "count": noise["count"] + tf.cast(size > 0, tf.float32),
-            }
+            squared_norm = update.squared_norm(grads)
+            noise = noise_scale.add_micro_batch(sums.noise, squared_norm, local_rows, self.loss_scale.value)
             return sums._replace(noise=noise)
 
         return on_gradients
@@ -497,7 +490,9 @@ class TrainStep:
             loss = tf.identity(loss)
         logs = {"loss": loss, "loss_scale": self.loss_scale.value, "grads_finite": finite}
         if self.noise_scale is not None:
-            logs.update(self._update_noise_scale(noise, step_update, normalizer, finite & has_weight))
+            scale = 1.0 if step_update.factor is None else step_update.factor
+            big_sq = update.squared_norm(step_update.raw) * scale**2  # |g_B|^2 of the reduced mean-loss gradient
+            logs.update(self.noise_scale.fold(noise, big_sq, normalizer, finite & has_weight))
         return logs
 
     def _update(self, raw, reg_grads, connected, local_rows, normalizer, several, micro_batches) -> update.Update:
@@ -521,16 +516,6 @@ class TrainStep:
             noise_factor=tf.math.divide_no_nan(1.0, normalizer) if noise is not None else None,
             clip_norm=self.options.clip_norm,
         )
-
-    def _update_noise_scale(self, noise, step_update: update.Update, normalizer, applied) -> dict:
-        """Folds this step's estimate into the moving averages (skipped steps do not count)."""
-        scale = 1.0 if step_update.factor is None else step_update.factor
-        big_sq = update.squared_norm(step_update.raw) * scale**2  # |g_B|^2 of the reduced mean-loss gradient
-        grad_sq, trace, valid = noise_scale.terms(
-            noise["small_sq"], noise["inverse_size"], noise["count"], big_sq, normalizer
-        )
-        with tf.control_dependencies([self.noise_scale.update(grad_sq, trace, applied & valid)]):
-            return {k: tf.identity(v) for k, v in self.noise_scale.logs().items()}
 
     def _apply_or_skip(
         self, strategy, tensors, commit_values, apply_flag, finite, has_weight, *, step_update, variables, state,

@@ -4,7 +4,7 @@ A language model's last layer projects each position's hidden state ``h``
 (``d`` numbers) onto the vocabulary (``V`` numbers, tens of thousands), and the
 loss is a softmax cross-entropy over those logits. Computed plainly, the
 logits of a batch (``rows = batch * T``) are one ``[rows, V]`` float32 tensor
-(393 MiB at batch 8, T=256 and 50,257 classes) and backprop holds about
+(``4 * rows * V`` bytes: GiBs at a real vocabulary) and backprop holds about
 two more of its size. Fused, in chunks of rows (Cut Cross-Entropy, Wijmans et
 al. 2025; Liger's fused linear cross-entropy)::
 

@@ -168,8 +168,8 @@ def _over_classes(vocabulary: int, block, state, first_alone: bool = False):
 
     def body(j, *state):
         if not _compat.in_xla_context():
-            # A stateful op in the loop: with only stateless ones the loops held 26 MiB more at
-            # a 50,257-class head (114 vs 88 MiB added, in each of 3 fresh processes) and were no faster.
+            # A stateful op in the loop: with only stateless ones the loops held more memory at a
+            # real vocabulary and were no faster.
             with tf.control_dependencies([tf.timestamp()]):
                 j = tf.identity(j)
         return (j + 1, *block(j * _VOCAB_CHUNK, _VOCAB_CHUNK, state))
@@ -271,7 +271,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
             # Without ranks a row's logits need not exist whole: the logsumexp runs over chunks of
             # 4,096 classes (a running max and sum, and the sum of softmax-weighted kernel rows
             # rescaled with them), so each matmul is [size, 4,096], the shape backprop uses, not a
-            # skinny [16 MiB / V, V] (measured at 50,257 classes, 2,048 rows: 0.16 s against 0.24 s).
+            # skinny, slower [16 MiB / V, V].
             h_i, labels_i = chunk(h_pad, i), chunk(labels_pad, i)
 
             def block(start, width, state):
@@ -323,7 +323,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
         if given is not None:
             arrays.append(tf.TensorArray(tf.float32, size=chunks, element_shape=[None, 2]))
         # One chunk at a time (parallel_iterations=1): running several at once holds several chunks'
-        # logits (measured: 632 vs 162 MiB for 2,048 rows of 50,257 classes).
+        # logits.
         _, lse_parts, loss_parts, dh_parts, *rank_parts = tf.while_loop(
             lambda i, *_: i < chunks,
             forward if given is not None else forward_in_blocks,
@@ -368,7 +368,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
     ``others``: gradients of the kernel and the bias from elsewhere (a tied embedding's lookup:
     IndexedSlices, or dense from a checkpointed segment, which then is the buffer), added chunk by
     chunk: added to the whole kernel-sized result they would take a second kernel-sized buffer
-    (TensorFlow's scatter-add does not update its input in place: measured 128 vs 64 MiB).
+    (TensorFlow's scatter-add does not update its input in place).
 
     Chunks of the vocabulary (a loop, one at a time), and of rows inside each: the kernel's
     gradient is summed per vocabulary chunk in a small ``[d, chunk]`` buffer, then written in place
@@ -405,8 +405,7 @@ def _weight_gradients(h32, w32, b32, labels, lse, d_loss, transposed, soft_cap, 
         if xla:  # XLA updates in place (it has no kernel for InplaceUpdate)
             return _compat.dynamic_update_slice(buffer, part, begin)
         if axis == 0 and own:  # rows of a buffer made here, which nothing else reads: InplaceUpdate copies
-            # them in place (TensorStridedSliceUpdate's generic strided copy took 1.4 ms per 4 MiB chunk,
-            # 17 ms a step at 50,257 classes)
+            # them in place (TensorStridedSliceUpdate's generic strided copy is several times slower)
             return tf.raw_ops.InplaceUpdate(x=buffer, i=tf.range(start, start + width), v=part)
         end = tf.stack([start + width if a == axis else part.shape[a] for a in range(rank)])
         # in place: TensorFlow forwards the buffer nothing else reads
