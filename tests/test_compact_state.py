@@ -187,6 +187,55 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_embeddings_sparse_gradient_is_updated_in_parts_of_rows_like_the_whole_update(rng, monkeypatch, jit_compile):
+    # One micro-batch on one device: the embedding's IndexedSlices reach the optimizer (as in Keras's
+    # step), whose update of repeated rows (Adam squares each slice apart) the parts keep, row by row.
+    tokens = rng.integers(0, 7, size=(16, 6)).astype("int32")  # 6 ids of 7: rows repeat
+    y = rng.normal(size=(16, 3)).astype("float32")
+
+    def run(part_elements):
+        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(512, 48),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
+        opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype="int8", min_size=4096)
+        step = effgrad.build_train_step(model, "mse", opt, jit_compile=jit_compile)
+        for _ in range(3):
+            step(tokens, y)
+        return [v.numpy() for v in [*model.variables, *opt.variables]]
+
+    whole = run(10**9)
+    calls = []
+    monkeypatch.setattr(compact_optimizer, "Part", _counting(compact_optimizer.Part, calls))
+    parts = run(4096)
+    # The table [512, 48] in parts of 128 rows (128 * 48 numbers: whole blocks of 2048): 4 of them, one trace.
+    assert [tuple(value.shape) for _, value in calls if value.shape.rank == 2] == [(128, 48)]
+    for a, b in zip(parts, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_embeddings_sparse_update_in_parts_holds_a_fraction_of_the_whole_one(rng, monkeypatch):
+    table = keras.Variable(rng.normal(size=(16384, 64)).astype("float32"))  # 4 MiB
+    rows = tf.IndexedSlices(
+        tf.constant(rng.normal(size=(64, 64)).astype("float32")),
+        tf.constant(rng.integers(0, 100, 64).astype("int32")),
+        tf.constant([16384, 64]),
+    )
+
+    def extra(part_elements):
+        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
+        opt = effgrad.compact_state(keras.optimizers.Adam(1e-3), dtype="int8")
+        opt.build([table])
+        apply = tf.function(lambda: opt.apply([rows], [table]), autograph=False)
+        apply()
+        return min(effgrad.memory.measure(apply).extra_bytes for _ in range(2))
+
+    # Whole, the update expands both slots to float32 and more (Keras's op-by-op update of the table).
+    whole, parts = extra(10**9), extra(2**16)
+    assert parts <= 0.4 * whole, (parts / 2**20, whole / 2**20)
+
+
 def _counting(cls, calls):
     class Counted(cls):
         def __init__(self, *args):

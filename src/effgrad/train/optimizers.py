@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import keras
 
-__all__ = ["PER_VARIABLE", "ELEMENTWISE"]
+__all__ = ["PER_VARIABLE", "ELEMENTWISE", "SPARSE_BY_ROWS"]
 
 PER_VARIABLE = (
     keras.optimizers.Adam,
@@ -27,3 +27,8 @@ PER_VARIABLE = (
 )
 # Whose update of each number depends on that number alone: they can update a variable in parts.
 ELEMENTWISE = tuple(c for c in PER_VARIABLE if c not in (keras.optimizers.Adafactor, keras.optimizers.Lamb))
+# Whose update reads a sparse gradient (an embedding's IndexedSlices) only through ``cast``, ``square``
+# (each slice apart, as Keras does) and a ``subtract`` that densifies it: each row's update depends on
+# that row's slices alone, and a zero slice adds nothing. So rows of the variable can be updated apart,
+# from the slices of those rows, the others zeroed (Keras's own arithmetic, repeated rows included).
+SPARSE_BY_ROWS = (keras.optimizers.Adam, keras.optimizers.AdamW)

@@ -84,15 +84,20 @@ class _CompactState(_compat.SlotsOfStandIns):
         XLA-compiled function per variable: a loop over flat parts of
         ``PART_ELEMENTS`` numbers that expands each part's slots, runs the
         optimizer's update on it and compresses them again, fused into a few
-        passes over memory. Other updates (a sparse gradient, whose repeated
-        rows Keras treats its own way; Adafactor, Lamb) run whole, op by op,
-        one after another. Each runs after its gradient exists.
+        passes over memory. A sparse gradient (an embedding's rows) of Adam or
+        AdamW is applied the same way by parts of whole rows, each from its
+        rows' slices (``optimizers.SPARSE_BY_ROWS``: Keras's arithmetic on
+        repeated rows kept). Other updates (a sparse gradient of another
+        optimizer, whose repeated rows Keras treats its own way; Adafactor,
+        Lamb) run whole, op by op, one after another. Each runs after its
+        gradient exists.
         """
         slots = self._slots_of.get(_compat.variable_key(self, variable))
         if not slots:
             return super().update_step(gradient, variable, learning_rate)
         learning_rate = tf.convert_to_tensor(learning_rate)
-        if isinstance(gradient, tf.IndexedSlices) or self._base not in optimizers.ELEMENTWISE:
+        sparse = isinstance(gradient, tf.IndexedSlices)
+        if self._base not in (optimizers.SPARSE_BY_ROWS if sparse else optimizers.ELEMENTWISE):
             with self._after_previous(gradient, variable):
                 stored = [slot.read() for slot in slots]
             # In place on the variable (Keras's scatter of rows), the slots written once.
@@ -158,18 +163,27 @@ class _CompactState(_compat.SlotsOfStandIns):
             target = Part(variable, value)
             stored = self._update(gradient, target, learning_rate, slots, stored)
             return target.value, stored
-        # A densified embedding gradient has no static shape: the variable's is its own.
-        value, gradient = tf.reshape(value, [-1]), tf.reshape(gradient, [-1])
+        value = tf.reshape(value, [-1])
         stored = [slot.flat(s) for slot, s in zip(slots, stored)]
         part = max(self.block_size, PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
+        if isinstance(gradient, tf.IndexedSlices):  # parts of whole rows, each on whole int8 blocks
+            width = size // variable.shape[0]
+            unit = self.block_size // math.gcd(width, self.block_size)  # rows per whole number of blocks
+            part = max(unit, PART_ELEMENTS // width // unit * unit) * width
+        else:  # a densified embedding gradient has no static shape: the variable's is its own
+            gradient = tf.reshape(gradient, [-1])
 
         def one(start, length, new_value, new_stored):
-            target = Part(variable, tf.slice(new_value, [start], [length]))
+            if isinstance(gradient, tf.IndexedSlices):
+                shape = (length // width, *variable.shape[1:])
+                piece_gradient = rows_of(gradient, start // width, shape)
+            else:
+                shape, piece_gradient = (length,), tf.slice(gradient, [start], [length])
+            target = Part(variable, tf.reshape(tf.slice(new_value, [start], [length]), shape))
             pieces = [slot.slice(s, start, length) for slot, s in zip(slots, stored)]
-            piece_gradient = tf.slice(gradient, [start], [length])
-            pieces = self._update(piece_gradient, target, learning_rate, slots, pieces, (length,))
+            pieces = self._update(piece_gradient, target, learning_rate, slots, pieces, shape)
             new_stored = [slot.place(s, p, start) for slot, s, p in zip(slots, new_stored, pieces)]
-            return place(new_value, target.value, [start]), new_stored
+            return place(new_value, tf.reshape(target.value, [-1]), [start]), new_stored
 
         def body(i, new_value, new_stored):
             return (i + 1, *one(i * part, part, new_value, new_stored))
@@ -328,3 +342,15 @@ def compact_state(
     if not isinstance(schedule, keras.Variable):
         _compat.set_learning_rate(compact, schedule)  # the caller's schedule or callable itself, not a copy
     return compact
+
+
+def rows_of(gradient: tf.IndexedSlices, first, shape) -> tf.IndexedSlices:
+    """Rows ``[first, first + shape[0])`` of a sparse gradient, as a sparse gradient of those rows: the
+    slices of other rows become zero slices of the first row (same count, so XLA sees fixed shapes)."""
+    indices = gradient.indices
+    first = tf.cast(first, indices.dtype)
+    inside = (indices >= first) & (indices < first + shape[0])
+    where = tf.reshape(inside, [-1] + [1] * (gradient.values.shape.rank - 1))
+    zeroed = tf.where(where, gradient.values, tf.zeros_like(gradient.values))
+    dense_shape = tf.constant(shape, gradient.dense_shape.dtype if gradient.dense_shape is not None else tf.int64)
+    return tf.IndexedSlices(zeroed, tf.where(inside, indices - first, tf.zeros_like(indices)), dense_shape)
