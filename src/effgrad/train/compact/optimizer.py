@@ -166,7 +166,8 @@ class _CompactState(_compat.SlotsOfStandIns):
         value = tf.reshape(value, [-1])
         stored = [slot.flat(s) for slot, s in zip(slots, stored)]
         part = max(self.block_size, PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
-        if isinstance(gradient, tf.IndexedSlices):  # parts of whole rows, each on whole int8 blocks
+        sparse = isinstance(gradient, tf.IndexedSlices)
+        if sparse:  # parts of whole rows, each on whole int8 blocks
             width = size // variable.shape[0]
             unit = self.block_size // math.gcd(width, self.block_size)  # rows per whole number of blocks
             part = max(unit, PART_ELEMENTS // width // unit * unit) * width
@@ -174,7 +175,7 @@ class _CompactState(_compat.SlotsOfStandIns):
             gradient = tf.reshape(gradient, [-1])
 
         def one(start, length, new_value, new_stored):
-            if isinstance(gradient, tf.IndexedSlices):
+            if sparse:
                 shape = (length // width, *variable.shape[1:])
                 piece_gradient = rows_of(gradient, start // width, shape)
             else:
