@@ -155,10 +155,12 @@ def test_summary_of_a_class_that_never_occurred(rng):
 def test_token_picture_wraps_to_a_readable_width(tmp_path, rng):
     from PIL import Image
 
-    words = [[f"word{i}" for i in range(300)] for _ in range(2)]
-    path = visualize.save_tokens(tmp_path / "t.png", words, rng.normal(size=(2, 300)), signed=True)
+    # 150 words a row wrap to 14 lines at 80 characters: 1089 px high, 902 wide (each token is a text
+    # matplotlib draws: 300 words took twice as long). Unwrapped, each row would be one line: a strip.
+    words = [[f"word{i}" for i in range(150)] for _ in range(2)]
+    path = visualize.save_tokens(tmp_path / "t.png", words, rng.normal(size=(2, 150)), signed=True)
     width, height = Image.open(path).size
-    assert width <= 1100 and height > width  # a paragraph, not a 3300 px strip
+    assert width <= 1100 and height > width  # a paragraph, not a strip
     pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
     assert (pixels[:, 0] > pixels[:, 2] + 60).any() and (pixels[:, 2] > pixels[:, 0] + 60).any()  # red and blue
 

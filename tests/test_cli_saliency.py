@@ -126,14 +126,21 @@ def test_ctrl_c_ends_with_one_line_and_resume_finishes(run, tmp_path, rng):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(3)])
     model.save(tmp_path / "m.keras")
-    x = rng.normal(size=(12_000, 16)).astype("float32")
+    x = rng.normal(size=(3_000, 16)).astype("float32")
     np.save(tmp_path / "x.npy", x)
     out, journal = tmp_path / "maps.npy", tmp_path / "maps.npy.journal.json"
     arguments = ["saliency", tmp_path / "m.keras", tmp_path / "x.npy", "--out", out, "--batch-size", "8",
                  "--no-progress"]  # fmt: skip
     # The command line's own process (forked: a new interpreter's imports would be most of the test),
-    # with Python's own Ctrl-C handler, as a new interpreter has it.
-    child = Forked("import sys, effgrad.cli; sys.exit(effgrad.cli.main(sys.argv[1:]))", {"cli": arguments})
+    # with Python's own Ctrl-C handler, as a new interpreter has it. It commits every 0.05 s, not 0.5:
+    # its first commit (the cue to interrupt it) then comes after its first batch, not half a second of
+    # rows, and 3,000 rows keep it running ~0.7 s past that cue (12,000 rows and 0.5 s commits left
+    # ~2.5 s; the resume and the reference below cost in proportion to the rows).
+    child = Forked(
+        "import sys, effgrad.cli\nfrom effgrad.explain import engine\nengine._COMMIT_EVERY_SECONDS = 0.05\n"
+        "sys.exit(effgrad.cli.main(sys.argv[1:]))",
+        {"cli": arguments},
+    )
     deadline = time.time() + 120
     while time.time() < deadline and child.running():
         if journal.exists() and json.loads(journal.read_text())["committed"] > 0:

@@ -1,5 +1,6 @@
 """MemoryMonitor logs memory per epoch and warns on growth and retracing, not on a clean fit."""
 
+import functools
 import warnings
 
 import keras
@@ -45,11 +46,16 @@ def _compiled(attached: bool = False):
     return model
 
 
+@functools.cache
+def _clean_fit(attached: bool):
+    """A 5-epoch fit under a default MemoryMonitor: (history, its warnings). The stock one is also the
+    history test_plot_history draws (one fit and trace fewer)."""
+    return _fit(_compiled(attached), [effgrad.MemoryMonitor()])
+
+
 @pytest.mark.parametrize("attached", [False, True])
 def test_clean_fit_logs_memory_and_does_not_warn(attached):
-    model = _compiled(attached)
-    monitor = effgrad.MemoryMonitor()
-    history, messages = _fit(model, [monitor])
+    history, messages = _clean_fit(attached)
     assert messages == []
     for key in ("memory_current_mib", "memory_peak_mib", "host_rss_mib", "train_traces"):
         assert len(history.history[key]) == 5, key
@@ -91,8 +97,7 @@ def test_every_n_batches_logs_into_batch_logs():
 
 
 def test_plot_history(tmp_path):
-    model = _compiled()
-    history, _ = _fit(model, [effgrad.MemoryMonitor()], epochs=2)
+    history, _ = _clean_fit(False)
     effgrad.diagnostics.plot_history(history, path=tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 1000
 

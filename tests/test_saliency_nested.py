@@ -28,6 +28,13 @@ def _two_input_model(seed=0, dict_inputs=True):
     return keras.Model({"image": image, "tabular": tabular} if dict_inputs else [image, tabular], logits)
 
 
+# Saliency reads the model and never changes it: the tests of the dict-input model share one, so each
+# compiled job (cached on the model) is traced once for the file, not again in every test that uses it.
+@pytest.fixture(scope="module")
+def model():
+    return _two_input_model()
+
+
 @pytest.fixture
 def data(rng):
     return {
@@ -44,8 +51,7 @@ def _tape(model, inputs, unit):
     return tf.nest.map_structure(lambda g: g.numpy(), tape.gradient(score, tensors))
 
 
-def test_two_input_model_equals_a_hand_written_tape_for_each_input(data):
-    model = _two_input_model()
+def test_two_input_model_equals_a_hand_written_tape_for_each_input(model, data):
     expected = _tape(model, data, unit=1)
     maps = effgrad.saliency(model, data, target=1, batch_size=16, progress=False)
     assert set(maps) == {"image", "tabular"}
@@ -72,8 +78,7 @@ def test_tuple_inputs_dataset_of_nests_and_generator_give_the_same_maps(data):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_dict_dataset_smoothgrad_and_ig_over_both_inputs(data):
-    model = _two_input_model()
+def test_dict_dataset_smoothgrad_and_ig_over_both_inputs(model, data):
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(16)
     ig = effgrad.saliency(model, dataset, method="integrated_gradients", steps=64, target=0, progress=False)
     zeros = {k: np.zeros_like(v) for k, v in data.items()}
@@ -111,8 +116,7 @@ def _tape_one(model, x, name, unit):
     return tape.gradient(score, tensors[name]).numpy()
 
 
-def test_outputs_are_one_file_or_buffer_per_input(tmp_path, data):
-    model = _two_input_model()
+def test_outputs_are_one_file_or_buffer_per_input(model, tmp_path, data):
     expected = effgrad.saliency(model, data, reduce="abs_sum", batch_size=16, progress=False)
     maps = effgrad.saliency(model, data, reduce="abs_sum", batch_size=16, out=tmp_path / "maps.npy", progress=False)
     assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["maps.image.npy", "maps.tabular.npy"]
@@ -134,16 +138,14 @@ def test_outputs_are_one_file_or_buffer_per_input(tmp_path, data):
     assert (tmp_path / "other.tabular.npy").read_bytes() == b"mine"
 
 
-def test_summary_statistics_per_input_equal_numpy(data):
-    model = _two_input_model()
+def test_summary_statistics_per_input_equal_numpy(model, data):
     maps = effgrad.saliency(model, data, reduce="abs_sum", progress=False)
     classes = model(data).numpy().argmax(-1)
     summary = effgrad.saliency_summary(model, data, reduce="abs_sum", batch_size=16, progress=False)
     assert_summary_equals_numpy(summary, maps, classes)
 
 
-def test_ig_baseline_per_input(data):
-    model = _two_input_model()
+def test_ig_baseline_per_input(model, data):
     baseline = {"tabular": np.full(5, 0.5, "float32")}  # image: zeros
     ig = effgrad.saliency(model, data, method="integrated_gradients", steps=64, baseline=baseline, target=0)
     start = {"image": np.zeros_like(data["image"]), "tabular": np.full_like(data["tabular"], 0.5)}
@@ -155,9 +157,8 @@ def test_ig_baseline_per_input(data):
         effgrad.saliency(model, data, method="integrated_gradients", baseline={"images": 0.0})
 
 
-def test_members_committed_at_different_rows_resume_to_the_same_files(tmp_path, data, monkeypatch):
+def test_members_committed_at_different_rows_resume_to_the_same_files(model, tmp_path, data, monkeypatch):
     """A kill between the two files' commits leaves them at different rows: the resume starts at the fewer."""
-    model = _two_input_model()
     expected = effgrad.saliency(model, data, batch_size=8, progress=False)
     monkeypatch.setattr(engine, "_COMMIT_EVERY_SECONDS", -1.0)  # commit after every batch
     real_commit = sinks.NpyFileSink.commit
@@ -195,8 +196,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_sigkilled_run_with_nested_inputs_resumes_to_the_same_files(tmp_path, rng):
-    model = _two_input_model()
+def test_sigkilled_run_with_nested_inputs_resumes_to_the_same_files(model, tmp_path, rng):
     x = {
         "image": rng.normal(size=(400, 8, 8, 2)).astype("float32"),
         "tabular": rng.normal(size=(400, 5)).astype("float32"),
@@ -222,8 +222,7 @@ def test_sigkilled_run_with_nested_inputs_resumes_to_the_same_files(tmp_path, rn
         np.testing.assert_array_equal(maps[name], expected[name])
 
 
-def test_unbatched_inputs_get_a_clear_message_before_any_work(tmp_path, data):
-    model = _two_input_model()
+def test_unbatched_inputs_get_a_clear_message_before_any_work(model, tmp_path, data):
     with pytest.raises(ValueError, match=r"dataset\.batch"):
         effgrad.saliency(model, tf.data.Dataset.from_tensor_slices(data), progress=False)
     single = {k: v[0] for k, v in data.items()}
@@ -235,6 +234,8 @@ def test_unbatched_inputs_get_a_clear_message_before_any_work(tmp_path, data):
 
 
 def test_multi_output_model_explains_the_named_output(data):
+    # Its own model: Keras's names restart with each test's clear_session, so the Dense added below would be
+    # named like the shared model's first one, and Keras refuses a model with two layers of one name.
     model = _two_input_model()
     both = keras.Model(model.inputs, {"logits": model.outputs[0], "score": keras.layers.Dense(1)(model.outputs[0])})
     with pytest.raises(ValueError, match="output=NAME_OR_INDEX"):

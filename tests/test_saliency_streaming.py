@@ -31,13 +31,19 @@ def _model(seed=0):
     )
 
 
+# Saliency reads the model and never changes it: the tests share one, so each compiled job (cached on
+# the model) is traced once for the file, not again in every test that explains the same way.
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
 @pytest.fixture
 def x(rng):
     return rng.uniform(0, 1, size=(50, 8, 8, 1)).astype("float32")
 
 
-def test_every_input_kind_and_sink_gives_the_same_maps(tmp_path, x):
-    model = _model()
+def test_every_input_kind_and_sink_gives_the_same_maps(model, tmp_path, x):
     expected = effgrad.saliency(model, x, batch_size=16, reduce="abs_sum", progress=False)
     np.save(tmp_path / "inputs.npy", x)
     inputs = {
@@ -59,14 +65,13 @@ def test_every_input_kind_and_sink_gives_the_same_maps(tmp_path, x):
     np.testing.assert_array_equal(np.load(tmp_path / "maps.npy"), expected)
 
 
-def test_copy_on_write_memmaps_keep_the_callers_edits_and_the_maps(tmp_path, rng):
+def test_copy_on_write_memmaps_keep_the_callers_edits_and_the_maps(model, tmp_path, rng):
     """mode="c" pages are private memory: releasing them would revert edits to the file's zeros."""
     n = 4000  # 1 MiB of inputs: many pages to release
     np.save(tmp_path / "zeros.npy", np.zeros((n, 8, 8, 1), "float32"))
     edited = np.load(tmp_path / "zeros.npy", mmap_mode="c")
     values = rng.uniform(0.5, 1, size=edited.shape).astype("float32")
     edited[:] = values  # the caller's in-memory edits, never written to the file
-    model = _model()
     expected = effgrad.saliency(model, values, batch_size=256, reduce="abs_sum", progress=False)
     np.save(tmp_path / "out.npy", np.zeros((n, 8, 8), "float32"))
     out = np.load(tmp_path / "out.npy", mmap_mode="c")
@@ -76,8 +81,7 @@ def test_copy_on_write_memmaps_keep_the_callers_edits_and_the_maps(tmp_path, rng
     assert np.abs(np.asarray(out)).sum() > 0
 
 
-def test_resume_after_an_exception_skips_committed_rows(tmp_path, x, monkeypatch):
-    model = _model()
+def test_resume_after_an_exception_skips_committed_rows(model, tmp_path, x, monkeypatch):
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
     path = tmp_path / "maps.npy"
 
@@ -109,12 +113,11 @@ def test_resume_after_an_exception_skips_committed_rows(tmp_path, x, monkeypatch
     assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["complete"]
 
 
-def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(tmp_path, x, monkeypatch):
+def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(model, tmp_path, x, monkeypatch):
     """Ctrl-C can land inside queue.put after the batch is enqueued: the writer still writes it, and the
     final commit must claim the writer's rows, not the rows the main thread believed it had submitted."""
     from effgrad.explain import engine
 
-    model = _model()
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
     path = tmp_path / "maps.npy"
     submit = engine._Writer.submit
@@ -133,7 +136,7 @@ def test_an_interrupt_after_a_batch_was_handed_over_commits_what_was_written(tmp
     np.testing.assert_array_equal(np.load(path), expected)
 
 
-def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch, request):
+def test_ctrl_c_is_never_lost_even_inside_a_finalizer(model, tmp_path, x, monkeypatch, request):
     """A KeyboardInterrupt raised inside a __del__ (TensorFlow runs many) is only printed by Python: the run
     must still stop, at the next batch boundary, with its rows committed."""
     from effgrad.explain import engine
@@ -155,13 +158,12 @@ def test_ctrl_c_is_never_lost_even_inside_a_finalizer(tmp_path, x, monkeypatch, 
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     path = tmp_path / "maps.npy"
     with pytest.raises(KeyboardInterrupt):
-        effgrad.saliency(_model(), x, batch_size=8, out=path, progress=False)
+        effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
     assert json.loads((tmp_path / "maps.npy.journal.json").read_text())["committed"] == 24
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
 
 
-def test_resume_refuses_a_different_configuration(tmp_path, x):
-    model = _model()
+def test_resume_refuses_a_different_configuration(model, tmp_path, x):
     path = tmp_path / "maps.npy"
     effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
     before = path.read_bytes()
@@ -189,8 +191,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_sigkilled_run_resumes_to_the_same_file(tmp_path, rng):
-    model = _model()
+def test_sigkilled_run_resumes_to_the_same_file(model, tmp_path, rng):
     x = rng.uniform(0, 1, size=(400, 8, 8, 1)).astype("float32")
     model.save(tmp_path / "m.keras")
     np.save(tmp_path / "x.npy", x)
@@ -244,8 +245,7 @@ def test_device_memory_is_flat_in_the_number_of_examples(tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
-def test_bad_inputs_fail_before_any_work(tmp_path, x):
-    model = _model()
+def test_bad_inputs_fail_before_any_work(model, tmp_path, x):
     buffer = np.full((50, 8, 8, 1), 7.0, "float32")
     with pytest.raises(TypeError, match="float inputs"):
         effgrad.saliency(model, (x * 10).astype("int32"), out=buffer, progress=False)
@@ -277,21 +277,20 @@ def test_bad_inputs_fail_before_any_work(tmp_path, x):
     assert existing.read_bytes() == b"precious"
 
 
-def test_progress_is_a_keras_progbar(capsys, x, monkeypatch):
+def test_progress_is_a_keras_progbar(model, capsys, x, monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)  # a terminal: the live bar
-    effgrad.saliency(_model(), x, batch_size=10, progress=True)
+    effgrad.saliency(model, x, batch_size=10, progress=True)
     shown = capsys.readouterr().out
     assert "50/50" in shown and "/example" in shown  # Keras's bar: rows done and time per example
-    effgrad.saliency(_model(), (x[i : i + 10] for i in range(0, 50, 10)), progress=True)
+    effgrad.saliency(model, (x[i : i + 10] for i in range(0, 50, 10)), progress=True)
     assert "50/Unknown" in capsys.readouterr().out  # a generator of unknown length
-    effgrad.saliency(_model(), x, batch_size=10, progress=False)
+    effgrad.saliency(model, x, batch_size=10, progress=False)
     assert capsys.readouterr() == ("", "")
 
 
-def test_cli_end_to_end(tmp_path, x, capfd):
+def test_cli_end_to_end(model, tmp_path, x, capfd):
     from effgrad import cli
 
-    model = _model()
     model.save(tmp_path / "m.keras")
     np.save(tmp_path / "x.npy", x)
     arguments = [
@@ -335,8 +334,7 @@ def _interrupted(tmp_path, model, x, rows=24, **options):
     return path
 
 
-def test_resume_refuses_other_weights_other_target_and_other_rows(tmp_path, x):
-    model = _model()
+def test_resume_refuses_other_weights_other_target_and_other_rows(model, tmp_path, x):
     path = _interrupted(tmp_path, model, x)
     before = path.read_bytes()
     other = _model()
@@ -353,8 +351,7 @@ def test_resume_refuses_other_weights_other_target_and_other_rows(tmp_path, x):
         effgrad.saliency(model, x, batch_size=8, out=path2, resume=True, progress=False, target=lambda y: y[:, 1])
 
 
-def test_shuffling_dataset_cannot_corrupt_a_resumed_file(tmp_path, x):
-    model = _model()
+def test_shuffling_dataset_cannot_corrupt_a_resumed_file(model, tmp_path, x):
     ds = tf.data.Dataset.from_tensor_slices(x).shuffle(len(x), seed=None, reshuffle_each_iteration=True).batch(8)
     first_pass = np.concatenate(list(ds.as_numpy_iterator()))  # the order the interrupted run saw
     path = _interrupted(tmp_path, model, first_pass)
@@ -362,8 +359,7 @@ def test_shuffling_dataset_cannot_corrupt_a_resumed_file(tmp_path, x):
         effgrad.saliency(model, ds, batch_size=8, num_examples=len(x), out=path, resume=True, progress=False)
 
 
-def test_damaged_files_are_never_resumed_as_whole(tmp_path, x):
-    model = _model()
+def test_damaged_files_are_never_resumed_as_whole(model, tmp_path, x):
     path = _interrupted(tmp_path, model, x)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 100)  # a truncated file: committed rows would read as zeros
@@ -377,8 +373,7 @@ def test_damaged_files_are_never_resumed_as_whole(tmp_path, x):
     np.testing.assert_array_equal(maps, effgrad.saliency(model, x, batch_size=8, progress=False))
 
 
-def test_a_run_that_computed_nothing_leaves_no_file(tmp_path, x):
-    model = _model()
+def test_a_run_that_computed_nothing_leaves_no_file(model, tmp_path, x):
     path = tmp_path / "maps.npy"
     with pytest.raises(Exception, match="no_such_thing"):  # fails while tracing the target
         effgrad.saliency(model, x, out=path, progress=False, target=lambda y: y.no_such_thing)
@@ -387,8 +382,7 @@ def test_a_run_that_computed_nothing_leaves_no_file(tmp_path, x):
 
 
 # ---------------------------------------------------------------- unknown length, disk space, locking
-def test_datasets_and_generators_need_no_num_examples(tmp_path, x):
-    model = _model()
+def test_datasets_and_generators_need_no_num_examples(model, tmp_path, x):
     expected = effgrad.saliency(model, x, batch_size=16, reduce="l2", progress=False)
     sources = {
         "dataset": lambda: tf.data.Dataset.from_tensor_slices(x).batch(16),
@@ -411,8 +405,7 @@ def test_datasets_and_generators_need_no_num_examples(tmp_path, x):
         )
 
 
-def test_unknown_length_file_resumes_after_an_interruption(tmp_path, x):
-    model = _model()
+def test_unknown_length_file_resumes_after_an_interruption(model, tmp_path, x):
     expected = effgrad.saliency(model, x, batch_size=8, progress=False)
     path = tmp_path / "maps.npy"
 
@@ -435,12 +428,11 @@ def test_unknown_length_file_resumes_after_an_interruption(tmp_path, x):
         effgrad.saliency(model, batches(), batch_size=8, out=path, resume=True, progress=False)
 
 
-def test_not_enough_disk_space_is_an_error_before_any_work(tmp_path, x, monkeypatch):
+def test_not_enough_disk_space_is_an_error_before_any_work(model, tmp_path, x, monkeypatch):
     import shutil as shutil_module
 
     from effgrad.explain import sinks
 
-    model = _model()
     path = tmp_path / "maps.npy"
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(sinks.shutil, "disk_usage", lambda p: usage._replace(free=1000))
@@ -450,7 +442,7 @@ def test_not_enough_disk_space_is_an_error_before_any_work(tmp_path, x, monkeypa
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 
-def test_space_is_reserved_up_front(tmp_path, x, monkeypatch):
+def test_space_is_reserved_up_front(model, tmp_path, x, monkeypatch):
     """A full disk fails the reservation (a clear error, no file), not a write (SIGBUS through a memmap)."""
     from effgrad.explain import sinks
 
@@ -459,23 +451,23 @@ def test_space_is_reserved_up_front(tmp_path, x, monkeypatch):
 
     monkeypatch.setattr(sinks.os, "posix_fallocate", full)
     with pytest.raises(OSError, match="Not enough disk space"):
-        effgrad.saliency(_model(), x, out=tmp_path / "maps.npy", progress=False)
+        effgrad.saliency(model, x, out=tmp_path / "maps.npy", progress=False)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
-    effgrad.saliency(_model(), x, out=tmp_path / "maps.npy", progress=False)
+    effgrad.saliency(model, x, out=tmp_path / "maps.npy", progress=False)
     assert os.stat(tmp_path / "maps.npy").st_blocks * 512 >= 50 * 8 * 8 * 4  # blocks allocated, not sparse
 
 
-def test_one_writer_per_output_file(tmp_path, x):
+def test_one_writer_per_output_file(model, tmp_path, x):
     from effgrad.explain.sinks import _OutputLock
 
     path = tmp_path / "maps.npy"
     held = _OutputLock(path)  # another writer (flock conflicts between open files, even in one process)
     with pytest.raises(BlockingIOError, match="being written by another process"):
-        effgrad.saliency(_model(), x, out=path, progress=False)
+        effgrad.saliency(model, x, out=path, progress=False)
     assert not path.exists() and not (tmp_path / "maps.npy.journal.json").exists()
     held.release()
-    effgrad.saliency(_model(), x, out=path, progress=False)
+    effgrad.saliency(model, x, out=path, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["maps.npy", "maps.npy.journal.json"]  # lock removed
 
 
@@ -485,8 +477,7 @@ def test_effgrad_help_does_not_load_tensorflow():
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 
-def test_a_completed_run_resumed_with_other_inputs_is_refused(tmp_path, x):
-    model = _model()
+def test_a_completed_run_resumed_with_other_inputs_is_refused(model, tmp_path, x):
     path = tmp_path / "maps.npy"
     maps = np.array(effgrad.saliency(model, x, batch_size=8, out=path, progress=False))
     with pytest.raises(ValueError, match="not the ones"):
@@ -503,8 +494,7 @@ def test_a_completed_run_resumed_with_other_inputs_is_refused(tmp_path, x):
 
 
 @pytest.mark.parametrize("complete", [False, True])
-def test_committed_rows_damaged_on_disk_are_refused_with_their_range(tmp_path, x, complete):
-    model = _model()
+def test_committed_rows_damaged_on_disk_are_refused_with_their_range(model, tmp_path, x, complete):
     path = tmp_path / "maps.npy"
     if complete:
         effgrad.saliency(model, x, batch_size=8, out=path, progress=False)
