@@ -24,6 +24,7 @@ class Family:
     per_micro: float  # seconds more per micro-batch
     trace: float  # seconds of its trace
     trace_bytes: float = 0.0  # what the call that traces holds more, once
+    knee: float = 0.0  # what micro-batches of more than one row hold more (peaks not affine in the rows)
 
 
 class FakeMeasurer:
@@ -40,7 +41,7 @@ class FakeMeasurer:
     def peak(self, config, rows=None):
         f = self.family(config)
         per_micro = math.ceil((rows or self.batch) / config.micro_batches)
-        return f.fixed + f.per_row * per_micro
+        return f.fixed + f.per_row * per_micro + (f.knee if per_micro > 1 else 0.0)
 
     def seconds(self, config):
         f = self.family(config)
@@ -180,6 +181,21 @@ def test_where_only_checkpointing_fits_it_is_found():
     chosen = outcome.chosen()
     assert chosen.config.segments == 6 and fake.peak(chosen.config) <= limits.limit
     assert chosen.config.micro_batches == fake.every_fit(limits.sure, (6,))[0][2].micro_batches
+
+
+@pytest.mark.parametrize("can_slice", [True, False])
+def test_a_family_is_given_up_on_a_measurement_not_on_a_line_its_peaks_do_not_follow(can_slice):
+    # A small CNN at batch 256: micro-batches of 2+ rows hold 22 MiB more than one of one row (measured on
+    # such a model: 64.4 MiB at 16 rows a micro-batch, 42.1 at one). The line through 128 and 16 rows
+    # says even one row cannot fit 50 MiB; one row a micro-batch does.
+    families = {None: Family(fixed=40 * MIB, per_row=0.03 * MIB, seconds=0.05, per_micro=0.001, trace=1.0,
+                             knee=22 * MIB)}  # fmt: skip
+    fake = FakeMeasurer(256, families, Family(70 * MIB, 0, 0.05, 0, 1.0), can_slice=can_slice)
+    limits = _limits(50 * MIB)
+    assert fake.every_fit(limits.sure, ())  # something fits: one row per micro-batch
+    chosen = search(fake, limits, segments=(), clock=fake.clock).chosen()
+    assert chosen is not None and fake.peak(chosen.config) <= limits.limit
+    assert chosen.config.micro_batches == 256
 
 
 def test_it_refuses_only_when_nothing_fits_and_names_the_smallest_peak():

@@ -23,11 +23,12 @@ The search::
         (a few default first calls) nor in what it could save over the best fit in a hundred steps
         measure its fastest member on the whole batch (its trace) and a near point (1/16 of the batch
         per micro-batch, on a slice of the batch: the same trace)
-        repeat: fit F and A to the family's points; measure the fewest micro-batches predicted to fit
-                (the prediction kept a margin below the limit); a fit ends the family, a peak over the
-                limit is one more point of its line
-    nothing fits: refuse, naming the smallest peak (one row per micro-batch was measured wherever its
-    prediction lay within the prediction's error of the limit)
+        repeat: fit F and A to the family's points (through the two around the limit where one lies
+                within it); measure the fewest micro-batches predicted to fit (the prediction kept a
+                margin below the limit); a fit ends the family, a peak over the limit is one more point
+                of its line; where the line says nothing fits, one row per micro-batch is measured (on
+                a slice) before the family is given up: peaks need not be affine in the rows
+    nothing fits: refuse, naming the smallest peak (every family's one row per micro-batch measured)
     choose the fastest measured fit; within timing noise, the simpler one
 
 A measured peak fits when it and the spread of its steady calls stay within the limit (the call that
@@ -283,6 +284,14 @@ class _Search:
         over = first
         while True:
             k = self.fewest_predicted(segments, over)
+            if k is None and over < self.batch and 1 not in (rows for rows, _ in self.points[segments]):
+                # Given up on a measurement, not on the line alone: a peak need not be affine in the rows
+                # (one row per micro-batch can hold much less than the line through larger ones says).
+                self.near_point(segments, 1)
+                whole = self.candidates.get(Config(self.batch, segments))  # measured on the whole batch
+                if whole is not None and whole.fits:
+                    return
+                k = self.fewest_predicted(segments, over)
             if k is None:
                 return
             c = self.verify(Config(k, segments))
@@ -300,10 +309,23 @@ class _Search:
             return
         calls = self.measurer.measure(Config(2, segments), 1, rows=2 * rows)
         self.points.setdefault(segments, []).append((rows, max(calls.peaks)))
+        # What the configuration with these rows per micro-batch would hold (a refusal may name it).
+        c = self.candidates.setdefault(Config(k, segments), Candidate(Config(k, segments)))
+        c.predicted = c.predicted if c.predicted is not None else max(calls.peaks)
 
     def line(self, segments: int | None) -> tuple[float, float]:
-        """``(F, A)`` of ``peak = F + A m``: least squares over the family's points, ``A >= 0``."""
+        """``(F, A)`` of ``peak = F + A m``, ``A >= 0``: through the two measured points around the limit
+        where one lies within it (the most rows within it, the fewest over it); else least squares over
+        the family's points."""
         points = self.points[segments]
+        within = [(r, v) for r, v in points if v <= self.limits.sure]
+        if within:
+            m0, p0 = max(within)
+            over = [(r, v) for r, v in points if r > m0 and v > self.limits.sure]
+            if over:
+                m1, p1 = min(over)
+                slope = max(0.0, (p1 - p0) / (m1 - m0))
+                return p0 - slope * m0, slope
         m = [float(r) for r, _ in points]
         p = [float(v) for _, v in points]
         mean_m, mean_p = sum(m) / len(m), sum(p) / len(p)
