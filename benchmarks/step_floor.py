@@ -12,7 +12,9 @@ Per configuration, in a fresh process each:
 ``floor`` from shapes: parameters + optimizer slots + the batch + the largest
 single gradient, + one gradient-sized accumulator with k > 1 (a fused k=1 step
 needs no gradient buffer); activations are left out (they are small here:
-that is what makes these models weight-dominated).
+that is what makes these models weight-dominated). The third model is one
+large untied token table: its gradient reaches the optimizer as the rows the
+batch looked up, and Adam's update of it is the step's peak.
 """
 
 from __future__ import annotations
@@ -51,6 +53,22 @@ def _gpt2(config):
     return keras.Model([tokens, mask], keras.layers.Dense(config["hidden"])(hidden))  # a regression head
 
 
+def _bag_of_embeddings(config):
+    """A text classifier whose weights are one large, untied token table (fastText-like): its gradient
+    reaches the optimizer as the rows the batch looked up (IndexedSlices)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((config["seq"],), dtype="int32"),
+            keras.layers.Embedding(config["vocab"], config["hidden"]),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(config["classes"]),
+        ]
+    )
+
+
 def child(config: dict) -> dict:
     import keras
     import numpy as np
@@ -65,6 +83,10 @@ def child(config: dict) -> dict:
         seq = config["seq"]
         x = [tf.constant(rng.integers(0, config["vocab"], (batch, seq)), tf.int32), tf.ones((batch, seq), tf.int32)]
         y = tf.constant(rng.normal(size=(batch, seq, config["hidden"])).astype("float32"))
+    elif config["model"] == "embedding":
+        model = _bag_of_embeddings(config)
+        x = tf.constant(rng.integers(0, config["vocab"], (batch, config["seq"])), tf.int32)
+        y = tf.constant(rng.normal(size=(batch, config["classes"])).astype("float32"))
     else:
         model = _dense_stack(config)
         x = tf.constant(rng.normal(size=(batch, config["width"])).astype("float32"))
@@ -129,9 +151,17 @@ def _configs(quick: bool) -> list[tuple[str, dict]]:
         "batch": 2,
         "repeats": 2,
     }
+    table = {"model": "embedding", "vocab": 200000, "hidden": 256, "seq": 64, "classes": 10, "batch": 32, "repeats": 3}
     if quick:
-        return [("2x64 Dense, batch 8", {**dense, "depth": 2, "width": 64, "batch": 8, "repeats": 1})]
-    return [("8 Dense 2048x2048, batch 64", dense), ("GPT2Backbone 12x768, T=128, batch 2", gpt2)]
+        return [
+            ("2x64 Dense, batch 8", {**dense, "depth": 2, "width": 64, "batch": 8, "repeats": 1}),
+            ("Embedding 500x16, batch 4", {**table, "vocab": 500, "hidden": 16, "seq": 8, "batch": 4, "repeats": 1}),
+        ]
+    return [
+        ("8 Dense 2048x2048, batch 64", dense),
+        ("GPT2Backbone 12x768, T=128, batch 2", gpt2),
+        ("Embedding 200,000x256 + Dense, T=64, batch 32", table),
+    ]
 
 
 def run(quick: bool = False) -> dict:

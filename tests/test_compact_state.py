@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
+from effgrad.train import parts as train_parts
 from effgrad.train.compact import CompactSlot, dequantize, quantize
 from effgrad.train.compact import optimizer as compact_optimizer
 from effgrad.train.optimizers import PER_VARIABLE as SUPPORTED
@@ -158,7 +159,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
     y = rng.normal(size=(16, 3)).astype("float32")
 
     def run(part_elements, mode=mode):
-        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
+        monkeypatch.setattr(train_parts, "PART_ELEMENTS", part_elements)
         with strategy.scope() if mode == "mirrored" else contextlib.nullcontext():
             model = _model(features=40)  # a [40, 256] kernel: 5 blocks of 2048, parts of 2, 2 and 1
             opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype=dtype)
@@ -194,7 +195,7 @@ def test_an_embeddings_sparse_gradient_is_updated_in_parts_of_rows_like_the_whol
     y = rng.normal(size=(16, 3)).astype("float32")
 
     def run(part_elements):
-        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
+        monkeypatch.setattr(train_parts, "PART_ELEMENTS", part_elements)
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(512, 48),
                                   keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
@@ -223,7 +224,7 @@ def test_an_embeddings_sparse_update_in_parts_holds_a_fraction_of_the_whole_one(
     )
 
     def extra(part_elements):
-        monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", part_elements)
+        monkeypatch.setattr(train_parts, "PART_ELEMENTS", part_elements)
         opt = effgrad.compact_state(keras.optimizers.Adam(1e-3), dtype="int8")
         opt.build([table])
         apply = tf.function(lambda: opt.apply([rows], [table]), autograph=False)
@@ -304,7 +305,7 @@ def test_compact_state_composes_with_the_steps_options(rng, shared, options):
 
 
 def test_embedding_rows_get_sparse_updates_like_float32(rng, monkeypatch):
-    monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", 4096)  # the table in parts, as a large one is
+    monkeypatch.setattr(train_parts, "PART_ELEMENTS", 4096)  # the table in parts, as a large one is
     tokens = rng.integers(0, 1000, size=(8, 5)).astype("int32")
     labels = rng.integers(0, 4, size=(8, 5))
 
@@ -484,7 +485,7 @@ def test_auto_fuses_the_updates_of_compact_state_as_of_float32(rng, shared):
 def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monkeypatch):
     # GPT-2's tied table gets a dense gradient with no static shape (a lookup's, densified, plus
     # the output projection's): the compiled update of its parts takes the table's shape.
-    monkeypatch.setattr(compact_optimizer, "PART_ELEMENTS", 256)
+    monkeypatch.setattr(train_parts, "PART_ELEMENTS", 256)
     tokens = rng.integers(0, 50, (4, 8)).astype("int32")
     x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
     tables = {}

@@ -5,10 +5,11 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import effgrad
 from conftest import assert_variables_close
-from effgrad.train import inplace
+from effgrad.train import inplace, parts
 from helpers import in_fresh_processes, numpy_vars, plain_step
 
 OPTIMIZERS = {
@@ -109,3 +110,74 @@ def test_a_compiled_update_holds_no_temporaries():
     # op a kernel-sized temporary more, 80.2).
     assert peaks["compiled"] <= 4.1 * kernel, peaks
     assert peaks["op by op"] >= peaks["compiled"] + 0.75 * kernel, peaks
+
+
+# ---------------------------------------------------------------- an embedding's sparse gradient
+SPARSE = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw-amsgrad": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, amsgrad=True),
+}
+
+
+def _embedding_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(500, 48),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_an_embeddings_sparse_gradient_is_updated_by_rows_like_keras_op_by_op(rng, monkeypatch, name):
+    # One micro-batch on one device: the table's IndexedSlices reach Adam, which squares each slice
+    # apart (repeated rows: 6 ids of 7); the parts keep that, row by row, in eager, graph and XLA steps.
+    tokens = rng.integers(0, 7, size=(16, 6)).astype("int32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    reference, optimizer = _embedding_model(), SPARSE[name]()
+    for _ in range(3):
+        plain_step(reference, keras.losses.MeanSquaredError(reduction=None), optimizer, tokens, y)
+    monkeypatch.setattr(inplace, "MIN_ELEMENTS", 4096)  # the [500, 48] table (24,000 numbers): compiled
+    monkeypatch.setattr(parts, "PART_ELEMENTS", 48 * 128)  # in parts of 128 rows: 3 whole ones and 116 rows
+    windows = []
+    monkeypatch.setattr(parts, "Window", _counting(parts.Window, windows))
+    for mode in ("eager", "function", "xla"):
+        ours, opt = _embedding_model(), SPARSE[name]()
+        step = effgrad.build_train_step(ours, "mse", opt, jit_compile=mode == "xla")
+        tf.config.run_functions_eagerly(mode == "eager")  # (each op on its own, the compiled update's too)
+        try:
+            for _ in range(3):
+                step(tokens, y)
+        finally:
+            tf.config.run_functions_eagerly(False)
+        assert_variables_close(ours.trainable_variables, reference.trainable_variables, atol=1e-6, rtol=1e-5)
+        assert_variables_close(opt.variables[1:], optimizer.variables[1:], atol=1e-6, rtol=1e-5)
+    assert {tuple(shape) for *_, shape in windows} == {(128, 48), (116, 48)}  # the table went by rows
+
+
+def _counting(cls, calls):
+    class Counted(cls):
+        def __init__(self, *args):
+            calls.append(args)
+            super().__init__(*args)
+
+    return Counted
+
+
+def test_an_embeddings_sparse_update_holds_a_part_of_the_table_not_copies_of_it(rng, monkeypatch):
+    tokens = rng.integers(0, 16384, size=(32, 8)).astype("int32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+
+    def extra(min_elements):
+        monkeypatch.setattr(inplace, "MIN_ELEMENTS", min_elements)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(16384, 128),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(1e-3))
+        step(tokens, y)
+        return min(effgrad.memory.measure(lambda: step(tokens, y)["loss"]).extra_bytes for _ in range(2))
+
+    table = 16384 * 128 * 4  # 8 MiB
+    by_rows, op_by_op = extra(inplace.MIN_ELEMENTS), extra(2**40)
+    print(f"op by op {op_by_op / 2**20:.1f} MiB, by rows {by_rows / 2**20:.1f} MiB")
+    # Keras's update densifies the gradient and its square and makes table-sized temporaries of them;
+    # by rows, one part (1 MiB) of each exists at a time.
+    assert op_by_op >= 1.5 * table, op_by_op / 2**20
+    assert by_rows <= 0.5 * table, by_rows / 2**20

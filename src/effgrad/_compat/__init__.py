@@ -36,6 +36,7 @@ from effgrad._compat.keras_layers import (
 from effgrad._compat.keras_optimizers import (
     SavedAsVariable,
     SlotsOfStandIns,
+    adam_slots,
     built_for,
     exclude_from_weight_decay_as,
     gradients_already_reduced,
@@ -43,6 +44,7 @@ from effgrad._compat.keras_optimizers import (
     optimizer_strategy,
     set_learning_rate,
     show_built_for,
+    slots_standing_in,
     track_variable,
     variable_key,
 )
@@ -86,6 +88,7 @@ __all__ = [
     "SavedAsVariable",
     "SlotsOfStandIns",
     "TESTED",
+    "adam_slots",
     "add_control_input",
     "apply_mask",
     "attention_classes",
@@ -136,6 +139,7 @@ __all__ = [
     "set_keras_mask",
     "set_learning_rate",
     "show_built_for",
+    "slots_standing_in",
     "squeeze_or_expand_to_same_rank",
     "stop_recording",
     "track_variable",

@@ -7,10 +7,12 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from effgrad._compat.keras_layers import replaced
 from effgrad._compat.versions import missing as _missing
 
 __all__ = [
     "SavedAsVariable",
+    "adam_slots",
     "SlotsOfStandIns",
     "built_for",
     "exclude_from_weight_decay_as",
@@ -19,6 +21,7 @@ __all__ = [
     "optimizer_strategy",
     "set_learning_rate",
     "show_built_for",
+    "slots_standing_in",
     "track_variable",
     "variable_key",
 ]
@@ -98,6 +101,37 @@ class SlotsOfStandIns:
 
 if not all(hasattr(keras.optimizers.Optimizer, a) for a in ("_var_key", "_get_variable_index")):  # pragma: no cover
     raise _missing("keras Optimizer._var_key / _get_variable_index", AttributeError("not found"))
+
+
+# Where Keras's Adam and AdamW keep each variable's slots (``build``), in the order ``update_step`` reads them.
+_ADAM_SLOTS = ("_momentums", "_velocities", "_velocity_hats")
+
+
+def adam_slots(optimizer, variable) -> list | None:
+    """The slot variables of ``variable`` in a built Keras Adam or AdamW (None where they are not found)."""
+    lists = [vars(optimizer)[name] for name in _ADAM_SLOTS if isinstance(vars(optimizer).get(name), list)]
+    if len(lists) < 2:
+        return None
+    index = optimizer._get_variable_index(variable)
+    return [slots[index] for slots in lists]
+
+
+@contextlib.contextmanager
+def slots_standing_in(optimizer, variable, stand_ins: list):
+    """Inside the block, Keras's Adam or AdamW finds ``stand_ins`` (in :func:`adam_slots`' order) as the
+    slots of ``variable`` and of any object standing for it (``stands_for``): its ``update_step`` then
+    updates a part of them."""
+    index = optimizer._get_variable_index(variable)
+    lists = [name for name in _ADAM_SLOTS if isinstance(vars(optimizer).get(name), list)]
+    own_index = optimizer._get_variable_index
+    with contextlib.ExitStack() as stack:
+        find = lambda v: own_index(getattr(v, "stands_for", v))  # noqa: E731
+        stack.enter_context(replaced(optimizer, "_get_variable_index", find))
+        for name, stand_in in zip(lists, stand_ins):
+            slots = list(vars(optimizer)[name])
+            slots[index] = stand_in
+            stack.enter_context(replaced(optimizer, name, slots))
+        yield
 
 
 def built_for(optimizer) -> list:

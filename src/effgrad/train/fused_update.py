@@ -170,7 +170,8 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     # unused ops are pruned) and the gradients of the uses' outputs, the activation chain shared.
     with _compat.loops_one_iteration_at_a_time():  # as the gathered step (effgrad.train.flows)
         grads = tape.gradient(target, [*variables, *outputs])
-    first = accumulate.dense(grads[: len(variables)])
+    raw = grads[: len(variables)]  # an embedding's IndexedSlices kept for the optimizer, as Keras hands them
+    first = accumulate.dense(raw)
     output_grads = {id(t): g for t, g in zip(outputs, grads[len(variables) :]) if g is not None}
     if uses is not None:
         uses = _local_or_kept(uses, output_grads, first, target, variables)
@@ -204,7 +205,7 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
 
     def local(i):
         if uses is None or uses[i] is None:  # no uses to make it from: pass 1's gradient
-            return first[i]
+            return raw[i]
         return local_grad.weight_gradient(uses[i], output_grads)
 
     factor = loss_scale.unscale_factor()
@@ -228,7 +229,7 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
         branch = tf.compat.v1.get_default_graph()
         if uses is None:  # backprop again
             with _compat.loops_one_iteration_at_a_time():
-                made = accumulate.dense(tape.gradient(target, trained))
+                made = tape.gradient(target, trained)
             makers = [[] if g is None or tf.executing_eagerly() else [g.op] for g in made]
         else:  # each weight gradient from the kept dz: the ops that start it wait (pace)
             made, makers = [], []

@@ -15,23 +15,34 @@ the update of each variable of at least ``MIN_ELEMENTS`` numbers one
 ``tf.function(jit_compile=True)`` around Keras's own ``update_step``: the
 same arithmetic, the same slots, the same checkpoints.
 
+A sparse gradient (an embedding's ``IndexedSlices``) of Adam or AdamW
+(``optimizers.SPARSE_BY_ROWS``) is applied the same way, by parts of whole
+rows inside one XLA loop (``effgrad.train.parts``): each part's update gets
+the slices of its own rows, Keras's arithmetic on repeated rows kept, and
+only one part of the table's densified gradient and temporaries exists at a
+time, where Keras's update makes several of the whole table.
+
 Trap:
     XLA compiles each large variable's update once, at the first step (a
-    fraction of a second each). Sparse gradients (an embedding's
-    ``IndexedSlices``), small variables, optimizers other than Keras's own
-    per-variable ones (subclasses included; ``compact_state`` compiles its
-    own updates), and updates under a ``tf.distribute`` strategy other than
-    the default run op by op, as Keras runs them.
+    fraction of a second each), and again for a sparse gradient with
+    another number of slices. Small variables, sparse gradients of other
+    optimizers (whose repeated rows Keras treats its own way), optimizers
+    other than Keras's own per-variable ones (subclasses included;
+    ``compact_state`` compiles its own updates), and updates under a
+    ``tf.distribute`` strategy other than the default run op by op, as
+    Keras runs them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
 from effgrad import _compat
-from effgrad.train.optimizers import PER_VARIABLE
+from effgrad.train import parts
+from effgrad.train.optimizers import PER_VARIABLE, SPARSE_BY_ROWS
 
 __all__ = ["MIN_ELEMENTS", "PER_VARIABLE", "compiled"]
 
@@ -54,18 +65,47 @@ def compiled(optimizer):
     cache = optimizer.__dict__.setdefault("_effgrad_compiled_updates", {})
 
     def update_step(gradient, variable, learning_rate):
-        if (
-            isinstance(gradient, tf.IndexedSlices)
-            or variable.shape.num_elements() is None
-            or variable.shape.num_elements() < MIN_ELEMENTS
-            or tf.distribute.has_strategy()
-        ):
+        size = variable.shape.num_elements()
+        if size is None or size < MIN_ELEMENTS or tf.distribute.has_strategy():
             return plain(gradient, variable, learning_rate)
-        if id(variable) not in cache:  # the function holds the variable: its id stays its own
-            cache[id(variable)] = tf.function(
-                lambda g, lr, variable=variable: plain(g, variable, lr), jit_compile=True, autograph=False
-            )
-        cache[id(variable)](gradient, tf.convert_to_tensor(learning_rate))
+        sparse = isinstance(gradient, tf.IndexedSlices)
+        if sparse and (type(optimizer) not in SPARSE_BY_ROWS or _compat.adam_slots(optimizer, variable) is None):
+            return plain(gradient, variable, learning_rate)
+        key = (id(variable), sparse)  # the function holds the variable: its id stays its own
+        if key not in cache:
+            if sparse:
+                update = functools.partial(_by_rows, optimizer, plain, variable)
+            else:
+                update = lambda g, lr, variable=variable: plain(g, variable, lr)  # noqa: E731
+            cache[key] = tf.function(update, jit_compile=True, autograph=False)
+        cache[key](gradient, tf.convert_to_tensor(learning_rate))
 
     with _compat.replaced(optimizer, "update_step", update_step):  # gone when apply() returns
         yield
+
+
+def _by_rows(optimizer, update, variable, gradient: tf.IndexedSlices, learning_rate) -> None:
+    """Adam's or AdamW's ``update`` (its own ``update_step``) of ``variable`` and its slots by parts of
+    ``parts.PART_ELEMENTS`` numbers of whole rows, each from the slices of its rows, in place."""
+    slots = _compat.adam_slots(optimizer, variable)
+    rows, width = variable.shape[0], variable.shape.num_elements() // variable.shape[0]
+    count = max(1, parts.PART_ELEMENTS // width)  # rows per part
+
+    def one(first, n, values):
+        shape = (n, *variable.shape[1:])
+        begin = [first] + [0] * (len(shape) - 1)
+        windows = [parts.Window(v, x, begin, shape) for v, x in zip([variable, *slots], values)]
+        with _compat.slots_standing_in(optimizer, variable, windows[1:]):
+            update(parts.rows_of(gradient, first, shape), windows[0], learning_rate)
+        return [window.whole for window in windows]
+
+    values = [tf.convert_to_tensor(v) for v in [variable, *slots]]
+    full = rows // count
+    if full:  # (XLA checks the body's slices against the shapes even if it never runs)
+        _, *values = tf.while_loop(
+            lambda i, *_: i < full, lambda i, *v: (i + 1, *one(i * count, count, v)), (tf.constant(0), *values)
+        )
+    if rows % count:
+        values = one(full * count, rows % count, values)
+    for v, value in zip([variable, *slots], values):
+        v.assign(value)

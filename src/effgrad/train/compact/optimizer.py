@@ -9,15 +9,14 @@ import keras
 import tensorflow as tf
 
 from effgrad import _checks, _compat
-from effgrad.train import optimizers
-from effgrad.train.compact.slot import CompactSlot, Part, place
+from effgrad.train import optimizers, parts
+from effgrad.train.compact.slot import CompactSlot
+from effgrad.train.parts import Part, place, rows_of
 
 __all__ = ["compact_state", "DTYPES"]
 
 DTYPES = ("int8", "bfloat16")
 FLOAT32_SLOTS = ("average", "gradient_accumulator")  # EMA weights, Keras's own accumulation
-
-PART_ELEMENTS = 2**18  # large variables are updated this many numbers (1 MiB of float32) at a time
 
 
 class _CompactState(_compat.SlotsOfStandIns):
@@ -82,7 +81,7 @@ class _CompactState(_compat.SlotsOfStandIns):
 
         A dense gradient of an elementwise optimizer is applied by one
         XLA-compiled function per variable: a loop over flat parts of
-        ``PART_ELEMENTS`` numbers that expands each part's slots, runs the
+        ``parts.PART_ELEMENTS`` numbers that expands each part's slots, runs the
         optimizer's update on it and compresses them again, fused into a few
         passes over memory. A sparse gradient (an embedding's rows) of Adam or
         AdamW is applied the same way by parts of whole rows, each from its
@@ -146,7 +145,7 @@ class _CompactState(_compat.SlotsOfStandIns):
         return self._compiled[key]
 
     def _update_in_parts(self, gradient, variable, value, learning_rate, slots, stored):
-        """``(new value, new stored slots)``: the variable updated ``PART_ELEMENTS`` numbers at a time.
+        """``(new value, new stored slots)``: the variable updated ``parts.PART_ELEMENTS`` numbers at a time.
 
         An elementwise update of each number depends on that number alone, so
         parts of the flat variable give the whole update. Inside XLA's loop
@@ -159,18 +158,18 @@ class _CompactState(_compat.SlotsOfStandIns):
         float32 slots exist at a time.
         """
         size = math.prod(variable.shape)
-        if size <= PART_ELEMENTS:
+        if size <= parts.PART_ELEMENTS:
             target = Part(variable, value)
             stored = self._update(gradient, target, learning_rate, slots, stored)
             return target.value, stored
         value = tf.reshape(value, [-1])
         stored = [slot.flat(s) for slot, s in zip(slots, stored)]
-        part = max(self.block_size, PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
+        part = max(self.block_size, parts.PART_ELEMENTS // self.block_size * self.block_size)  # whole int8 blocks
         sparse = isinstance(gradient, tf.IndexedSlices)
         if sparse:  # parts of whole rows, each on whole int8 blocks
             width = size // variable.shape[0]
             unit = self.block_size // math.gcd(width, self.block_size)  # rows per whole number of blocks
-            part = max(unit, PART_ELEMENTS // width // unit * unit) * width
+            part = max(unit, parts.PART_ELEMENTS // width // unit * unit) * width
         else:  # a densified embedding gradient has no static shape: the variable's is its own
             gradient = tf.reshape(gradient, [-1])
 
@@ -343,15 +342,3 @@ def compact_state(
     if not isinstance(schedule, keras.Variable):
         _compat.set_learning_rate(compact, schedule)  # the caller's schedule or callable itself, not a copy
     return compact
-
-
-def rows_of(gradient: tf.IndexedSlices, first, shape) -> tf.IndexedSlices:
-    """Rows ``[first, first + shape[0])`` of a sparse gradient, as a sparse gradient of those rows: the
-    slices of other rows become zero slices of the first row (same count, so XLA sees fixed shapes)."""
-    indices = gradient.indices
-    first = tf.cast(first, indices.dtype)
-    inside = (indices >= first) & (indices < first + shape[0])
-    where = tf.reshape(inside, [-1] + [1] * (gradient.values.shape.rank - 1))
-    zeroed = tf.where(where, gradient.values, tf.zeros_like(gradient.values))
-    dense_shape = tf.constant(shape, gradient.dense_shape.dtype if gradient.dense_shape is not None else tf.int64)
-    return tf.IndexedSlices(zeroed, tf.where(inside, indices - first, tf.zeros_like(indices)), dense_shape)

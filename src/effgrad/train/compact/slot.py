@@ -1,4 +1,4 @@
-"""A compact slot (int8 blocks or bfloat16, read as float32) and a variable's new value as an update writes it."""
+"""A compact slot: int8 blocks or bfloat16, read as float32."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import keras
 import tensorflow as tf
 
-from effgrad import _compat
 from effgrad.train.compact.codec import dequantize, quantize
+from effgrad.train.parts import dense, place
 
-__all__ = ["CompactSlot", "Part", "place"]
+__all__ = ["CompactSlot"]
 
 
 class CompactSlot:
@@ -96,10 +96,10 @@ class CompactSlot:
         self._current, self._written = tf.cast(tf.convert_to_tensor(value), tf.float32), True
 
     def assign_add(self, value) -> None:
-        self.assign(self.value() + _dense(value))
+        self.assign(self.value() + dense(value))
 
     def assign_sub(self, value) -> None:
-        self.assign(self.value() - _dense(value))
+        self.assign(self.value() - dense(value))
 
     # A large variable's update works on its flat parts: these cut and place a part of the storage.
     def flat(self, stored) -> tuple:
@@ -168,38 +168,3 @@ class CompactSlot:
 
     def __pow__(self, other):
         return self.value() ** other
-
-
-def place(whole, part, offsets):
-    """``part`` written into ``whole`` at ``offsets``: in place inside XLA's loop (an update-slice; a
-    scatter of numbers would be a copy per number)."""
-    return _compat.dynamic_update_slice(whole, part, offsets)
-
-
-class Part:
-    """A model variable's new value (or a flat part of it), as the optimizer's update writes it.
-
-    Keras's update reads it like the variable and writes it with ``assign*``;
-    the value is returned by the compiled update and assigned to the
-    variable once (a dense write: row writes would put the variable in
-    TensorFlow's copy-on-read mode, where every later read copies it).
-    ``stands_for`` is the variable, whose slots the optimizer looks up.
-    """
-
-    def __init__(self, variable, value):
-        self.stands_for, self.value = variable, value
-        self.dtype, self.shape = variable.dtype, tuple(value.shape)
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        return self.value if dtype is None else tf.cast(self.value, dtype)
-
-    def write(self, method: str, value) -> None:
-        value = tf.cast(_dense(value), self.dtype)
-        self.value = _WRITES[method](self.value, value)
-
-
-_WRITES = {"assign": lambda old, new: new, "assign_add": tf.add, "assign_sub": tf.subtract}
-
-
-def _dense(value):
-    return tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value
