@@ -336,3 +336,14 @@ def run_cluster(code: str, argv: list, workers: int = 2, timeout: float = 240) -
     prelude = "import os, sys\nos.environ['TF_CONFIG'] = sys.argv.pop(1)\n"
     for index, (status, _, err) in run_forked(prelude + code, runs, timeout).items():
         assert status == 0, f"worker {index}: {err[-3000:]}"
+
+
+def counting(cls, calls: list):
+    """A subclass of ``cls`` that appends each instance's constructor arguments to ``calls``."""
+
+    class Counted(cls):
+        def __init__(self, *args):
+            calls.append(args)
+            super().__init__(*args)
+
+    return Counted

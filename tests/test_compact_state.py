@@ -11,9 +11,8 @@ import effgrad
 from conftest import assert_variables_close
 from effgrad.train import parts as train_parts
 from effgrad.train.compact import CompactSlot, dequantize, quantize
-from effgrad.train.compact import optimizer as compact_optimizer
 from effgrad.train.optimizers import PER_VARIABLE as SUPPORTED
-from helpers import in_fresh_processes, plain_step, tiny_gpt2_lm
+from helpers import counting, in_fresh_processes, plain_step, tiny_gpt2_lm
 
 
 def _model(seed=0, features=32, hidden=256):
@@ -178,7 +177,7 @@ def test_large_variables_updated_in_parts_equal_the_whole_update(rng, monkeypatc
         start = _model(features=40).get_weights()
         _assert_close_in_norm(*[[w - s for w, s in zip(got, start)] for got in (whole, one_device())])
     calls = []
-    monkeypatch.setattr(compact_optimizer, "Part", _counting(compact_optimizer.Part, calls))
+    monkeypatch.setattr(train_parts, "Part", counting(train_parts.Part, calls))
     parts = run(4096)
     # The kernel's update (per replica) traced once: the loop's part of 2 blocks and the last block.
     assert [tuple(value.shape) for _, value in calls if value.shape.rank == 1] == [(4096,), (2048,)] * (
@@ -207,7 +206,7 @@ def test_an_embeddings_sparse_gradient_is_updated_in_parts_of_rows_like_the_whol
 
     whole = run(10**9)
     calls = []
-    monkeypatch.setattr(compact_optimizer, "Part", _counting(compact_optimizer.Part, calls))
+    monkeypatch.setattr(train_parts, "Part", counting(train_parts.Part, calls))
     parts = run(4096)
     # The table [512, 48] in parts of 128 rows (128 * 48 numbers: whole blocks of 2048): 4 of them, one trace.
     assert [tuple(value.shape) for _, value in calls if value.shape.rank == 2] == [(128, 48)]
@@ -234,15 +233,6 @@ def test_an_embeddings_sparse_update_in_parts_holds_a_fraction_of_the_whole_one(
     # Whole, the update expands both slots to float32 and more (Keras's op-by-op update of the table).
     whole, parts = extra(10**9), extra(2**16)
     assert parts <= 0.4 * whole, (parts / 2**20, whole / 2**20)
-
-
-def _counting(cls, calls):
-    class Counted(cls):
-        def __init__(self, *args):
-            calls.append(args)
-            super().__init__(*args)
-
-    return Counted
 
 
 def _compact_adam():

@@ -184,15 +184,16 @@ def test_where_only_checkpointing_fits_it_is_found():
 
 
 @pytest.mark.parametrize("can_slice", [True, False])
-def test_a_family_is_given_up_on_a_measurement_not_on_a_line_its_peaks_do_not_follow(can_slice):
+@pytest.mark.parametrize("fixed_mib", [40, 45.97])  # one row: well within the limit; between sure and limit
+def test_a_family_is_given_up_on_a_measurement_not_on_a_line_its_peaks_do_not_follow(can_slice, fixed_mib):
     # A small CNN at batch 256: micro-batches of 2+ rows hold 22 MiB more than one of one row (measured on
     # such a model: 64.4 MiB at 16 rows a micro-batch, 42.1 at one). The line through 128 and 16 rows
     # says even one row cannot fit 50 MiB; one row a micro-batch does.
-    families = {None: Family(fixed=40 * MIB, per_row=0.03 * MIB, seconds=0.05, per_micro=0.001, trace=1.0,
+    families = {None: Family(fixed=fixed_mib * MIB, per_row=0.03 * MIB, seconds=0.05, per_micro=0.001, trace=1.0,
                              knee=22 * MIB)}  # fmt: skip
     fake = FakeMeasurer(256, families, Family(70 * MIB, 0, 0.05, 0, 1.0), can_slice=can_slice)
     limits = _limits(50 * MIB)
-    assert fake.every_fit(limits.sure, ())  # something fits: one row per micro-batch
+    assert fake.every_fit(limits.limit, ())  # something fits: one row per micro-batch
     chosen = search(fake, limits, segments=(), clock=fake.clock).chosen()
     assert chosen is not None and fake.peak(chosen.config) <= limits.limit
     assert chosen.config.micro_batches == 256

@@ -12,8 +12,8 @@ from effgrad._compat.versions import missing as _missing
 
 __all__ = [
     "SavedAsVariable",
-    "adam_slots",
     "SlotsOfStandIns",
+    "adam_slots",
     "built_for",
     "exclude_from_weight_decay_as",
     "gradients_already_reduced",
@@ -96,7 +96,7 @@ class SlotsOfStandIns:
     being updated) finds that variable's slots, which Keras looks up by ``_get_variable_index``."""
 
     def _get_variable_index(self, variable):
-        return super()._get_variable_index(getattr(variable, "stands_for", variable))
+        return super()._get_variable_index(_standing_for(variable))
 
 
 if not all(hasattr(keras.optimizers.Optimizer, a) for a in ("_var_key", "_get_variable_index")):  # pragma: no cover
@@ -107,13 +107,17 @@ if not all(hasattr(keras.optimizers.Optimizer, a) for a in ("_var_key", "_get_va
 _ADAM_SLOTS = ("_momentums", "_velocities", "_velocity_hats")
 
 
+def _adam_slot_lists(optimizer) -> list[str]:
+    return [name for name in _ADAM_SLOTS if isinstance(vars(optimizer).get(name), list)]
+
+
 def adam_slots(optimizer, variable) -> list | None:
     """The slot variables of ``variable`` in a built Keras Adam or AdamW (None where they are not found)."""
-    lists = [vars(optimizer)[name] for name in _ADAM_SLOTS if isinstance(vars(optimizer).get(name), list)]
-    if len(lists) < 2:
+    names = _adam_slot_lists(optimizer)
+    if len(names) < 2:
         return None
     index = optimizer._get_variable_index(variable)
-    return [slots[index] for slots in lists]
+    return [vars(optimizer)[name][index] for name in names]
 
 
 @contextlib.contextmanager
@@ -122,16 +126,23 @@ def slots_standing_in(optimizer, variable, stand_ins: list):
     slots of ``variable`` and of any object standing for it (``stands_for``): its ``update_step`` then
     updates a part of them."""
     index = optimizer._get_variable_index(variable)
-    lists = [name for name in _ADAM_SLOTS if isinstance(vars(optimizer).get(name), list)]
     own_index = optimizer._get_variable_index
+
+    def index_of(v):
+        return own_index(_standing_for(v))
+
     with contextlib.ExitStack() as stack:
-        find = lambda v: own_index(getattr(v, "stands_for", v))  # noqa: E731
-        stack.enter_context(replaced(optimizer, "_get_variable_index", find))
-        for name, stand_in in zip(lists, stand_ins):
+        stack.enter_context(replaced(optimizer, "_get_variable_index", index_of))
+        for name, stand_in in zip(_adam_slot_lists(optimizer), stand_ins):
             slots = list(vars(optimizer)[name])
             slots[index] = stand_in
             stack.enter_context(replaced(optimizer, name, slots))
         yield
+
+
+def _standing_for(variable):
+    """The variable an object stands for (``stands_for``: a part of it being updated), or itself."""
+    return getattr(variable, "stands_for", variable)
 
 
 def built_for(optimizer) -> list:

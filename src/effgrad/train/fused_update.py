@@ -57,7 +57,7 @@ import tensorflow as tf
 
 from effgrad import _compat
 from effgrad import model_graph as graph
-from effgrad.train import accumulate, flows, inplace, local_grad, update
+from effgrad.train import flows, inplace, local_grad, update
 from effgrad.train import objective as objective_lib
 
 __all__ = ["decide", "why_not", "gradients_dominate", "step", "Unfusable"]
@@ -170,8 +170,7 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     # unused ops are pruned) and the gradients of the uses' outputs, the activation chain shared.
     with _compat.loops_one_iteration_at_a_time():  # as the gathered step (effgrad.train.flows)
         grads = tape.gradient(target, [*variables, *outputs])
-    raw = grads[: len(variables)]  # an embedding's IndexedSlices kept for the optimizer, as Keras hands them
-    first = accumulate.dense(raw)
+    first = grads[: len(variables)]  # an embedding's IndexedSlices kept for the optimizer, as Keras hands them
     output_grads = {id(t): g for t, g in zip(outputs, grads[len(variables) :]) if g is not None}
     if uses is not None:
         uses = _local_or_kept(uses, output_grads, first, target, variables)
@@ -205,7 +204,7 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
 
     def local(i):
         if uses is None or uses[i] is None:  # no uses to make it from: pass 1's gradient
-            return raw[i]
+            return first[i]
         return local_grad.weight_gradient(uses[i], output_grads)
 
     factor = loss_scale.unscale_factor()
@@ -345,6 +344,8 @@ def _finite(make, uses: list, output_grads: dict, variable) -> tf.Tensor:
 
     def made():
         g = make()
+        if isinstance(g, tf.IndexedSlices):
+            g = g.values  # its rows: the table itself is not made for a check
         return tf.constant(True) if g is None else tf.math.is_finite(tf.reduce_sum(g))
 
     bound = None if uses is None else local_grad.finite_bound(uses, output_grads, math.prod(variable.shape))

@@ -52,7 +52,7 @@ MIN_ELEMENTS = 2**20
 
 @contextlib.contextmanager
 def compiled(optimizer):
-    """While it is open, ``optimizer.update_step`` runs large dense updates as XLA functions.
+    """While it is open, ``optimizer.update_step`` runs large updates as XLA functions.
 
     Only the exact classes of ``PER_VARIABLE`` are changed (a subclass may
     compute what XLA cannot). The compiled updates are kept on the optimizer
@@ -86,10 +86,16 @@ def compiled(optimizer):
 
 def _by_rows(optimizer, update, variable, gradient: tf.IndexedSlices, learning_rate) -> None:
     """Adam's or AdamW's ``update`` (its own ``update_step``) of ``variable`` and its slots by parts of
-    ``parts.PART_ELEMENTS`` numbers of whole rows, each from the slices of its rows, in place."""
+    whole rows, each from the slices of its rows, in place.
+
+    A part is ``parts.PART_ELEMENTS`` numbers, and at least as many rows as the gradient has slices
+    where their number is known when traced: every part reads every slice, so the parts' reads of them
+    then add up to at most the table's size. (Traced for any number of slices, a gradient of many
+    slices is read once per part.)
+    """
     slots = _compat.adam_slots(optimizer, variable)
     rows, width = variable.shape[0], variable.shape.num_elements() // variable.shape[0]
-    count = max(1, parts.PART_ELEMENTS // width)  # rows per part
+    count = max(1, parts.PART_ELEMENTS // width, gradient.values.shape[0] or 0)  # rows per part
 
     def one(first, n, values):
         shape = (n, *variable.shape[1:])

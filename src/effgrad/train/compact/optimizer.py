@@ -11,7 +11,6 @@ import tensorflow as tf
 from effgrad import _checks, _compat
 from effgrad.train import optimizers, parts
 from effgrad.train.compact.slot import CompactSlot
-from effgrad.train.parts import Part, place, rows_of
 
 __all__ = ["compact_state", "DTYPES"]
 
@@ -111,7 +110,7 @@ class _CompactState(_compat.SlotsOfStandIns):
             stored = [slot.read() for slot in slots]
             update = self._compiled_update(variable, slots, in_place=False)
             value, stored = update(gradient, tf.convert_to_tensor(variable), learning_rate, stored)
-            self.assign(variable, value)  # one dense write (see _Part)
+            self.assign(variable, value)  # one dense write (see parts.Part)
         for slot, part in zip(slots, stored):
             slot.write(part)
 
@@ -159,7 +158,7 @@ class _CompactState(_compat.SlotsOfStandIns):
         """
         size = math.prod(variable.shape)
         if size <= parts.PART_ELEMENTS:
-            target = Part(variable, value)
+            target = parts.Part(variable, value)
             stored = self._update(gradient, target, learning_rate, slots, stored)
             return target.value, stored
         value = tf.reshape(value, [-1])
@@ -176,14 +175,14 @@ class _CompactState(_compat.SlotsOfStandIns):
         def one(start, length, new_value, new_stored):
             if sparse:
                 shape = (length // width, *variable.shape[1:])
-                piece_gradient = rows_of(gradient, start // width, shape)
+                piece_gradient = parts.rows_of(gradient, start // width, shape)
             else:
                 shape, piece_gradient = (length,), tf.slice(gradient, [start], [length])
-            target = Part(variable, tf.reshape(tf.slice(new_value, [start], [length]), shape))
+            target = parts.Part(variable, tf.reshape(tf.slice(new_value, [start], [length]), shape))
             pieces = [slot.slice(s, start, length) for slot, s in zip(slots, stored)]
             pieces = self._update(piece_gradient, target, learning_rate, slots, pieces, shape)
             new_stored = [slot.place(s, p, start) for slot, s, p in zip(slots, new_stored, pieces)]
-            return place(new_value, tf.reshape(target.value, [-1]), [start]), new_stored
+            return parts.place(new_value, tf.reshape(target.value, [-1]), [start]), new_stored
 
         def body(i, new_value, new_stored):
             return (i + 1, *one(i * part, part, new_value, new_stored))
@@ -234,7 +233,7 @@ class _CompactState(_compat.SlotsOfStandIns):
         """Keras's ``assign*``, routed to the new value of a weight or the compact slot it names."""
         if isinstance(variable, CompactSlot):
             return getattr(variable, method)(value)
-        if isinstance(variable, Part):
+        if isinstance(variable, parts.Part):
             return variable.write(method, value)
         return getattr(super(), method)(variable, value)
 

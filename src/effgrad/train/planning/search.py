@@ -26,8 +26,9 @@ The search::
         repeat: fit F and A to the family's points (through the two around the limit where one lies
                 within it); measure the fewest micro-batches predicted to fit (the prediction kept a
                 margin below the limit); a fit ends the family, a peak over the limit is one more point
-                of its line; where the line says nothing fits, one row per micro-batch is measured (on
-                a slice) before the family is given up: peaks need not be affine in the rows
+                of its line; where the line says nothing fits (and nothing has fit yet), one row per
+                micro-batch is measured on a slice (and on the whole batch where the slice is within
+                the limit's reach) before the family is given up: peaks need not be affine in the rows
     nothing fits: refuse, naming the smallest peak (every family's one row per micro-batch measured)
     choose the fastest measured fit; within timing noise, the simpler one
 
@@ -284,13 +285,20 @@ class _Search:
         over = first
         while True:
             k = self.fewest_predicted(segments, over)
-            if k is None and over < self.batch and 1 not in (rows for rows, _ in self.points[segments]):
-                # Given up on a measurement, not on the line alone: a peak need not be affine in the rows
+            if (
+                k is None
+                and self.outcome().chosen() is None
+                and over < self.batch
+                and 1 not in dict(self.points[segments])
+            ):
+                # Refused on a measurement, not on the line alone: a peak need not be affine in the rows
                 # (one row per micro-batch can hold much less than the line through larger ones says).
+                # Within the limit's reach on a slice, the whole batch at one row per micro-batch decides.
                 self.near_point(segments, 1)
-                whole = self.candidates.get(Config(self.batch, segments))  # measured on the whole batch
-                if whole is not None and whole.fits:
-                    return
+                limit, sure = self.limits.limit, self.limits.sure
+                if dict(self.points[segments])[1] <= limit + (limit - sure):
+                    if self.verify(Config(self.batch, segments)).fits:
+                        return
                 k = self.fewest_predicted(segments, over)
             if k is None:
                 return
@@ -310,8 +318,7 @@ class _Search:
         calls = self.measurer.measure(Config(2, segments), 1, rows=2 * rows)
         self.points.setdefault(segments, []).append((rows, max(calls.peaks)))
         # What the configuration with these rows per micro-batch would hold (a refusal may name it).
-        c = self.candidates.setdefault(Config(k, segments), Candidate(Config(k, segments)))
-        c.predicted = c.predicted if c.predicted is not None else max(calls.peaks)
+        self.candidates.setdefault(Config(k, segments), Candidate(Config(k, segments))).predicted = max(calls.peaks)
 
     def line(self, segments: int | None) -> tuple[float, float]:
         """``(F, A)`` of ``peak = F + A m``, ``A >= 0``: through the two measured points around the limit
