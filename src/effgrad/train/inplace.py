@@ -69,7 +69,12 @@ def compiled(optimizer):
         if size is None or size < MIN_ELEMENTS or tf.distribute.has_strategy():
             return plain(gradient, variable, learning_rate)
         sparse = isinstance(gradient, tf.IndexedSlices)
-        if sparse and (type(optimizer) not in SPARSE_BY_ROWS or _compat.adam_slots(optimizer, variable) is None):
+        slices = gradient.values.shape[0] if sparse else None
+        if sparse and (
+            type(optimizer) not in SPARSE_BY_ROWS
+            or (slices is not None and slices >= variable.shape[0])  # as large as the table: dense in effect
+            or _compat.adam_slots(optimizer, variable) is None
+        ):
             return plain(gradient, variable, learning_rate)
         key = (id(variable), sparse)  # the function holds the variable: its id stays its own
         if key not in cache:
@@ -88,14 +93,14 @@ def _by_rows(optimizer, update, variable, gradient: tf.IndexedSlices, learning_r
     """Adam's or AdamW's ``update`` (its own ``update_step``) of ``variable`` and its slots by parts of
     whole rows, each from the slices of its rows, in place.
 
-    A part is ``parts.PART_ELEMENTS`` numbers, and at least as many rows as the gradient has slices
-    where their number is known when traced: every part reads every slice, so the parts' reads of them
-    then add up to at most the table's size. (Traced for any number of slices, a gradient of many
-    slices is read once per part.)
+    A part is ``parts.PART_ELEMENTS`` numbers (at least one row). Every part reads every slice: a
+    gradient with as many slices as the table has rows (known when traced) is left to Keras's own
+    update, dense in effect; traced for any number of slices, a gradient that large takes longer than
+    Keras's update here.
     """
     slots = _compat.adam_slots(optimizer, variable)
     rows, width = variable.shape[0], variable.shape.num_elements() // variable.shape[0]
-    count = max(1, parts.PART_ELEMENTS // width, gradient.values.shape[0] or 0)  # rows per part
+    count = max(1, parts.PART_ELEMENTS // width)  # rows per part
 
     def one(first, n, values):
         shape = (n, *variable.shape[1:])
