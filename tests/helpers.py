@@ -347,3 +347,10 @@ def counting(cls, calls: list):
             super().__init__(*args)
 
     return Counted
+
+
+def bag_of_embeddings(vocabulary: int, width: int, length: int, classes: int = 3):
+    """Token ids -> an Embedding table, averaged, -> Dense: a model whose table gets a sparse gradient."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((length,), dtype="int32"), keras.layers.Embedding(vocabulary, width),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(classes)])  # fmt: skip

@@ -12,7 +12,7 @@ from conftest import assert_variables_close
 from effgrad.train import parts as train_parts
 from effgrad.train.compact import CompactSlot, dequantize, quantize
 from effgrad.train.optimizers import PER_VARIABLE as SUPPORTED
-from helpers import counting, in_fresh_processes, plain_step, tiny_gpt2_lm
+from helpers import bag_of_embeddings, counting, in_fresh_processes, plain_step, tiny_gpt2_lm
 
 
 def _model(seed=0, features=32, hidden=256):
@@ -195,9 +195,7 @@ def test_an_embeddings_sparse_gradient_is_updated_in_parts_of_rows_like_the_whol
 
     def run(part_elements):
         monkeypatch.setattr(train_parts, "PART_ELEMENTS", part_elements)
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(512, 48),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
+        model = bag_of_embeddings(512, 48, 6)
         opt = effgrad.compact_state(keras.optimizers.AdamW(0.01, weight_decay=0.1), dtype="int8", min_size=4096)
         step = effgrad.build_train_step(model, "mse", opt)  # (its update is compiled by XLA either way)
         for _ in range(3):

@@ -10,7 +10,7 @@ import tensorflow as tf
 import effgrad
 from conftest import assert_variables_close
 from effgrad.train import inplace, parts
-from helpers import counting, in_fresh_processes, numpy_vars, plain_step
+from helpers import bag_of_embeddings, counting, in_fresh_processes, numpy_vars, plain_step
 
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
@@ -120,9 +120,7 @@ SPARSE = {
 
 
 def _embedding_model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(500, 48),
-                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
+    return bag_of_embeddings(500, 48, 6)
 
 
 # Adam in every mode; AdamW with amsgrad (a third slot, weight decay outside update_step) under XLA.
@@ -160,10 +158,7 @@ def test_an_embeddings_sparse_update_holds_a_part_of_the_table_not_copies_of_it(
 
     def extra(min_elements):
         monkeypatch.setattr(inplace, "MIN_ELEMENTS", min_elements)
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(16384, 128),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])  # fmt: skip
-        step = effgrad.build_train_step(model, "mse", keras.optimizers.Adam(1e-3))
+        step = effgrad.build_train_step(bag_of_embeddings(16384, 128, 8), "mse", keras.optimizers.Adam(1e-3))
         step(tokens, y)
         return min(effgrad.memory.measure(lambda: step(tokens, y)["loss"]).extra_bytes for _ in range(2))
 
