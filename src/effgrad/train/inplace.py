@@ -93,10 +93,11 @@ def _by_rows(optimizer, update, variable, gradient: tf.IndexedSlices, learning_r
     """Adam's or AdamW's ``update`` (its own ``update_step``) of ``variable`` and its slots by parts of
     whole rows, each from the slices of its rows, in place.
 
-    A part is ``parts.PART_ELEMENTS`` numbers (at least one row). Every part reads every slice: a
-    gradient with as many slices as the table has rows (known when traced) is left to Keras's own
-    update, dense in effect; traced for any number of slices, a gradient that large takes longer than
-    Keras's update here.
+    A part is ``parts.PART_ELEMENTS`` numbers (at least one row). Every part reads every slice where
+    it lies (``parts.rows_of``): beside one part, the update holds the slices' square (and XLA's copy
+    of the slices), where Keras's holds two table-sized temporaries and the slices. So a gradient with
+    as many slices as the table has rows (known when traced) is left to Keras's own update, dense in
+    effect; traced for any number of slices, one of more than twice the table's rows holds more here.
     """
     slots = _compat.adam_slots(optimizer, variable)
     rows, width = variable.shape[0], variable.shape.num_elements() // variable.shape[0]

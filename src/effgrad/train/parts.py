@@ -93,11 +93,15 @@ def place(whole, part, offsets):
 
 def rows_of(gradient: tf.IndexedSlices, first, shape) -> tf.IndexedSlices:
     """Rows ``[first, first + shape[0])`` of a sparse gradient, as a sparse gradient of those rows: the
-    slices of other rows become zero slices of the first row (same count, so XLA sees fixed shapes)."""
+    same values (not copied), the slices of other rows given index -1.
+
+    Densifying the result (``tf.convert_to_tensor``, TensorFlow's ``unsorted_segment_sum``) drops a
+    slice with a negative index, and so does XLA's scatter, which skips an index out of bounds: each
+    part then reads the slices without making a masked copy of them (same count, so XLA sees fixed
+    shapes). Keras's sparse-preserving ops (``ops.square``) keep the index with its value.
+    """
     indices = gradient.indices
     first = tf.cast(first, indices.dtype)
     inside = (indices >= first) & (indices < first + shape[0])
-    where = tf.reshape(inside, [-1] + [1] * (gradient.values.shape.rank - 1))
-    zeroed = tf.where(where, gradient.values, tf.zeros_like(gradient.values))
     dense_shape = tf.constant(shape, gradient.dense_shape.dtype if gradient.dense_shape is not None else tf.int64)
-    return tf.IndexedSlices(zeroed, tf.where(inside, indices - first, tf.zeros_like(indices)), dense_shape)
+    return tf.IndexedSlices(gradient.values, tf.where(inside, indices - first, -tf.ones_like(indices)), dense_shape)
