@@ -19,6 +19,7 @@ __all__ = [
     "attention_classes",
     "attention_internals",
     "call_context_training",
+    "class_attention",
     "flatten_layers",
     "functional_graph",
     "hook_method",
@@ -323,6 +324,13 @@ def attention_classes() -> dict[str, tuple]:
             raise _missing("keras_hub CachedGemmaAttention.softmax/dropout_layer", AttributeError("not found"))
         _HUB_CLASSES = {"llama": llama, "gemma": gemma}
     return {"keras": (_MHA,), **(_HUB_CLASSES or {})}
+
+
+def class_attention(layer):
+    """The layer's class's own ``_compute_attention``, bound to the layer (None if it has none): what
+    runs when no instance hook is installed over it."""
+    method = getattr(type(layer), "_compute_attention", None)
+    return None if method is None else method.__get__(layer)
 
 
 def attention_internals(layer, family: str) -> dict:

@@ -107,7 +107,7 @@ class _Hook:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         # Someone else's instance hook below ours, else the class's method.
-        original = self.previous if callable(self.previous) else type(layer)._compute_attention.__get__(layer)
+        original = self.previous if callable(self.previous) else _compat.class_attention(layer)
         routing = self.routing()
         arguments = known.bind(layer, self.cls, args, kwargs)
         if routing is None or not known.in_training(self.family, arguments):
@@ -152,7 +152,7 @@ def attention_layers(model) -> list[tuple[keras.layers.Layer, str | None, type |
         if match is not None:
             family, cls = match
             found.append((layer, family, cls, known.class_reason(layer, family, cls)))
-        elif callable(getattr(layer, "_compute_attention", None)):
+        elif _compat.class_attention(layer) is not None:
             why = f"effgrad does not know its attention ({type(layer).__name__}._compute_attention)"
             found.append((layer, None, None, why))
     return found
