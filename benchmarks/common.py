@@ -60,7 +60,8 @@ def run_children(module: str, runs: list[tuple[dict, dict]], timeout: float = 90
     TensorFlow runs threads is not safe, so a started one takes new interpreters too; a fork has no timeout).
     """
     if QUICK and not _tensorflow_started():
-        return [_wait(*child) for child in [_fork(module, config, env) for config, env in runs]]
+        children = [_fork(module, config, env) for config, env in runs]
+        return _wait(children)
     base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
     procs = [
         subprocess.Popen(
@@ -93,33 +94,52 @@ def _tensorflow_started() -> bool:
     return _compat.context_started()
 
 
-def _fork(module: str, config: dict, env: dict) -> tuple[int, int, dict]:
+def _fork(module: str, config: dict, env: dict) -> tuple[int, int, int, dict]:
+    """A forked child running ``module.child(config)``: ``(pid, its result's pipe, its release pipe, config)``.
+
+    Having reported, the child waits to be released (:func:`_wait`): a cluster's worker that exits
+    closes its gRPC server while a sibling may still be reading its part of the last collective from
+    it ("Collective ops is aborted by: Socket closed").
+    """
     read, write = os.pipe()
+    held, release = os.pipe()
     pid = os.fork()
     if pid:
         os.close(write)
-        return pid, read, config
+        os.close(held)
+        return pid, read, release, config
     status = 1
     try:
         os.close(read)
+        os.close(release)
         os.environ.update(env)
         result = importlib.import_module(module).child(config)
         result["host_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with os.fdopen(write, "w") as out:
             out.write(json.dumps(result))
         status = 0
+        os.read(held, 1)  # until every sibling has reported (its end closed)
     except BaseException:
         traceback.print_exc()
     finally:
         os._exit(status)
 
 
-def _wait(pid: int, read: int, config: dict) -> dict:
-    with os.fdopen(read) as reply:
-        text = reply.read()
-    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) or not text:
-        raise RuntimeError(f"{config} failed in a forked process (its traceback is above)")
-    return json.loads(text)
+def _wait(children: list) -> list[dict]:
+    """The forked ``children``'s reports, once all have reported; then they are released together."""
+    texts = []
+    try:
+        for _, read, _, _ in children:
+            with os.fdopen(read) as reply:
+                texts.append(reply.read())
+    finally:
+        for _, _, release, _ in children:
+            os.close(release)
+    statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, *_ in children]
+    for (*_, config), status, text in zip(children, statuses, texts):
+        if status or not text:
+            raise RuntimeError(f"{config} failed in a forked process (its traceback is above)")
+    return [json.loads(text) for text in texts]
 
 
 def run_rounds(module: str, configs: list[dict], rounds: int) -> list[dict]:

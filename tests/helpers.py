@@ -332,9 +332,20 @@ def run_cluster(code: str, argv: list, workers: int = 2, timeout: float = 240) -
         ]
         for index in range(workers)
     }
-    # TF_CONFIG is read when the strategy is made: set in the child, before the code runs.
-    prelude = "import os, sys\nos.environ['TF_CONFIG'] = sys.argv.pop(1)\n"
-    for index, (status, _, err) in run_forked(prelude + code, runs, timeout).items():
+    # TF_CONFIG is read when the strategy is made: set in the child, before the code runs. A worker that
+    # has run the code waits for the others before it exits: its gRPC server closes with it, while a
+    # sibling may still be reading its part of the last collective ("Socket closed").
+    prelude = "import os, sys\nos.environ['TF_CONFIG'] = sys.argv.pop(1)\n_done = sys.argv.pop(1)\n"
+    epilogue = (
+        "\nimport time\nopen(os.path.join(_done, str(os.getpid())), 'w').close()\n"
+        f"_until = time.time() + 60\nwhile len(os.listdir(_done)) < {workers} and time.time() < _until:\n"
+        "    time.sleep(0.05)\n"
+    )
+    with tempfile.TemporaryDirectory() as done:
+        for argv in runs.values():
+            argv.insert(1, done)
+        results = run_forked(prelude + code + epilogue, runs, timeout)
+    for index, (status, _, err) in results.items():
         assert status == 0, f"worker {index}: {err[-3000:]}"
 
 
