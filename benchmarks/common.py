@@ -60,8 +60,7 @@ def run_children(module: str, runs: list[tuple[dict, dict]], timeout: float = 90
     TensorFlow runs threads is not safe, so a started one takes new interpreters too; a fork has no timeout).
     """
     if QUICK and not _tensorflow_started():
-        children = [_fork(module, config, env) for config, env in runs]
-        return _wait(children)
+        return _wait([_fork(module, config, env) for config, env in runs])
     base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
     procs = [
         subprocess.Popen(
