@@ -94,8 +94,8 @@ def _by_rows(optimizer, update, variable, gradient: tf.IndexedSlices, learning_r
     whole rows, each from the slices of its rows, in place.
 
     A part is ``parts.PART_ELEMENTS`` numbers (at least one row). Every part reads every slice where
-    it lies (``parts.rows_of``): beside one part, the update holds the slices' square (and XLA's copy
-    of the slices), where Keras's holds two table-sized temporaries and the slices. So a gradient with
+    it lies (``parts.rows_of``): beside one part, the update holds about twice the slices' size (their
+    square among it), where Keras's holds two table-sized temporaries and the slices. So a gradient with
     as many slices as the table has rows (known when traced) is left to Keras's own update, dense in
     effect; traced for any number of slices, one of more than twice the table's rows holds more here.
     """
