@@ -14,27 +14,34 @@ for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensiv
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# Two logical CPU devices let MirroredStrategy tests run on one machine; this
-# must happen before TensorFlow initializes its devices.
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
-# One pytest-xdist worker per core already keeps every core busy: each worker's ops then run on
-# one thread, not on a pool per core that the workers fight over (measured: the parity and
-# accumulation tests took 67 s instead of 81 on 2 cores). Fresh processes the tests start keep
-# TensorFlow's defaults.
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _workers > 1:
-    tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // _workers))
+def pytest_configure(config):
+    # The controller of pytest-xdist's workers runs no test: TensorFlow starts in the workers only
+    # (importing it first in the controller kept both cores idle for its ~12 s).
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no":
+        return
+    import tensorflow as tf
+
+    # Two logical CPU devices let MirroredStrategy tests run on one machine; this
+    # must happen before TensorFlow initializes its devices.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    # One pytest-xdist worker per core already keeps every core busy: each worker's ops then run on
+    # one thread, not on a pool per core that the workers fight over (measured: the parity and
+    # accumulation tests took 67 s instead of 81 on 2 cores). Fresh processes the tests start keep
+    # TensorFlow's defaults.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
+    import keras
+
     # The cycles the last test left are collected, then everything still alive (modules, TensorFlow's
     # registries, session and module fixtures) is frozen out of the collector's sight: a worker holds
     # hundreds of thousands of objects after a few hundred traces, and each full collection walked them
@@ -53,6 +60,8 @@ def _fresh_keras_state():
 def strategy():
     """ONE MirroredStrategy over the two logical CPUs for the whole session: a second one in the
     same process reuses collective instance keys and TensorFlow aborts (measured on TF 2.21)."""
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
 
 
