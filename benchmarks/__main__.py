@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +40,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run benchmark suites")
     run.add_argument("suites", nargs="*", metavar="SUITE", help=f"any of {', '.join(SUITES)} (default: all)")
-    run.add_argument("--quick", action="store_true", help="small sizes: minutes, for CI and smoke tests")
+    run.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes: minutes, for CI and smoke tests (results go to a new temporary directory unless --results)",
+    )
     run.add_argument("--results", help="directory for the result files (default: benchmarks/results)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.suites) - set(SUITES))
@@ -47,6 +52,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
     if args.quick:  # read by benchmarks.common: run configurations in this process
         os.environ["EFFGRAD_BENCHMARK_QUICK"] = "1"
+    if args.quick and not args.results:  # quick numbers are not measurements: never over the published ones
+        args.results = tempfile.mkdtemp(prefix="effgrad-quick-")
+        print(f"quick: results in {args.results}", flush=True)
     if args.results:  # read by benchmarks.common, here and in every child process
         os.environ["EFFGRAD_BENCHMARK_RESULTS"] = os.path.abspath(args.results)
     from benchmarks import common, plots

@@ -12,6 +12,7 @@ from it while its TensorFlow has not started (`run_children`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -21,12 +22,16 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
 RESULTS = Path(os.environ.get("EFFGRAD_BENCHMARK_RESULTS", Path(__file__).parent / "results"))
 _MARK = "@@RESULT@@"
+# Set for a child of run_children: having reported, it waits for stdin to close before it exits.
+_HOLD = "EFFGRAD_BENCHMARK_HOLD"
 
 
 QUICK = os.environ.get("EFFGRAD_BENCHMARK_QUICK") == "1"
@@ -58,32 +63,42 @@ def run_children(module: str, runs: list[tuple[dict, dict]], timeout: float = 90
     New interpreters (``python -m module --child CONFIG``); in a ``--quick`` run whose TensorFlow has not
     started yet, forks of this process instead, without a TensorFlow import each (forking a process whose
     TensorFlow runs threads is not safe, so a started one takes new interpreters too; a fork has no timeout).
+    Either way a child that has reported waits until every sibling has (see :func:`_fork`).
     """
     if QUICK and not _tensorflow_started():
         return _wait([_fork(module, config, env) for config, env in runs])
-    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, "--child", json.dumps(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**base, **env},
-            cwd=Path(__file__).parent.parent,
-        )
-        for config, env in runs
-    ]
-    results = []
-    try:
-        for proc, (config, _) in zip(procs, runs):
-            out, err = proc.communicate(timeout=timeout)
-            marked = [line for line in out.splitlines() if line.startswith(_MARK)]
-            if proc.returncode or not marked:
-                raise RuntimeError(f"{module} {config} failed:\n{out[-2000:]}\n{err[-4000:]}")
-            results.append(json.loads(marked[-1][len(_MARK) :]))
-    finally:
-        for proc in procs:
-            proc.kill()
+    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true", **{_HOLD: "1"})
+    with contextlib.ExitStack() as stack:
+        errors = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in runs]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", module, "--child", json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env={**base, **env},
+                cwd=Path(__file__).parent.parent,
+            )
+            for (config, env), err in zip(runs, errors)
+        ]
+        timer = threading.Timer(timeout, lambda: [proc.kill() for proc in procs])
+        timer.start()
+        try:
+            # Every child's report first; then they are released together (child_main), as forks are.
+            reports = [next((line for line in proc.stdout if line.startswith(_MARK)), None) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.stdin.close()
+            for proc in procs:
+                proc.wait()
+            timer.cancel()
+        results = []
+        for proc, (config, _), report, err in zip(procs, runs, reports, errors):
+            if proc.returncode or not report:
+                err.seek(0)
+                raise RuntimeError(f"{module} {config} failed (exit {proc.returncode}):\n{err.read()[-4000:]}")
+            results.append(json.loads(report[len(_MARK) :]))
     return results
 
 
@@ -163,6 +178,8 @@ def child_main(run) -> None:
         result = run(json.loads(sys.argv[2]))
         result["host_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(_MARK + json.dumps(result), flush=True)
+        if os.environ.get(_HOLD):  # until every sibling has reported (run_children closes stdin)
+            sys.stdin.read()
         return
     raise SystemExit("run the benchmarks with: python -m benchmarks run [--quick] [SUITE ...]")
 
