@@ -249,6 +249,18 @@ def test_auto_fuses_when_the_batch_has_more_positions_than_four_times_the_projec
     assert fused or "too few next to the projection's 16 inputs" in step.fused_loss_reason
 
 
+@pytest.mark.parametrize("rows, fused", [(128, False), (130, True)])
+def test_auto_counts_the_positions_each_replica_makes(strategy, rng, monkeypatch, rows, fused):
+    monkeypatch.setattr(fused_kernel, "CHUNK_ELEMENTS", 1000)
+    with strategy.scope():  # 2 replicas: 64 or 65 rows each, against the head's 4 x 16 inputs
+        net = _classifier()
+    x, y = rng.normal(size=(rows, 12)).astype("float32"), rng.integers(0, 300, rows)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = effgrad.build_train_step(net, loss, keras.optimizers.SGD(0.1), strategy=strategy)
+    step(x, y)
+    assert step.fused_loss is fused
+
+
 def test_auto_does_not_fuse_logits_that_fit_in_one_chunk(rng):
     x, y = rng.normal(size=(65, 12)).astype("float32"), rng.integers(0, 300, 65)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -32,6 +32,11 @@ def shape_hint(x) -> tuple[int, int] | None:
     return int(leaves[0].shape[0]), extent
 
 
+def per_replica(hint: tuple[int, int] | None, replicas: int) -> tuple[int, int] | None:
+    """A global batch's :func:`shape_hint` as each of ``replicas`` replicas sees it (the most rows one takes)."""
+    return None if hint is None else (-(-hint[0] // replicas), hint[1])
+
+
 def as_tensors(nest):
     """Every leaf a tensor (``None`` kept)."""
     return tf.nest.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), nest)

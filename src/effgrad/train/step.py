@@ -263,7 +263,8 @@ class TrainStep:
 
     def _decide(self, x, y=None) -> None:
         """At the first trace: whether the loss is fused with the last layer, and updates with backprop."""
-        hint = self.batch_hint or batches.shape_hint(x)
+        # Each replica makes the activations and logits of its own rows (batch_hint: the global batch).
+        hint = batches.per_replica(self.batch_hint, self.strategy.num_replicas_in_sync) or batches.shape_hint(x)
         if self.fused_loss is None:
             head, self.fused_loss_reason = fused_loss.decide(
                 self.options, self._objective, self.model, hint, private=self.options.private, y=y

@@ -60,7 +60,7 @@ def decide(
 
     Chunks hold one kernel-sized buffer (the kernel's gradient) and one chunk's logits where the
     plain loss holds two or three logits-sized ones, for a third more of the head's matmuls: "auto"
-    fuses when a batch has more than ``4 d`` positions (``d`` = the projection's input size) and
+    fuses when a batch (``hint``: a replica's) has more than ``4 d`` positions (``d`` = the projection's input size) and
     its logits do not fit in one chunk (below ``4 d`` positions the kernel-sized buffer is most of what
     chunks would save). ``fused_loss=True`` raises where it cannot apply.
     """
