@@ -305,3 +305,41 @@ def test_multi_worker_shards_state_across_processes_and_checkpoints_whole(tmp_pa
     tf.train.Checkpoint(model=restored, optimizer=restored_opt).read(str(tmp_path / "ckpt")).assert_consumed()
     for a, b in zip(restored.trainable_variables + restored_opt.variables, results[0]["weights"] + results[0]["slots"]):
         np.testing.assert_array_equal(np.asarray(a.numpy()), np.array(b, a.dtype), err_msg=a.path)
+
+
+_PIECES = textwrap.dedent(
+    """
+    import json
+    import tensorflow as tf, effgrad
+    from effgrad.train.shard_slots import Group, Layout
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    shape = (4096, 2048)
+    layout, group = Layout(shape, 4096 * 2048 // 2, 2), Group(strategy)
+
+    def one():
+        rank = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        return tf.reduce_sum(group.reduce_scatter(layout.padded(tf.fill(shape, rank + 1.0)), scale=2.0))
+
+    compiled = tf.function(lambda: strategy.run(one), autograph=False)
+
+    def reduce():
+        return [float(t) for t in strategy.experimental_local_results(compiled())]
+
+    sums = reduce()
+    peak = effgrad.memory.measure(reduce).peak_mib
+    print("@@" + json.dumps({"sums": sums, "peak_mib": peak, "part_mib": 4 * layout.shard / 2**20}))
+    """
+)
+
+
+def test_reduce_scatter_receives_in_pieces_no_larger_than_a_part():
+    # Each of 2 replicas reduces a 32 MiB gradient (in a process of its own: a long-lived one's allocator
+    # may hand out chunks up to twice the size asked). Received whole, the all-to-all's buffer is that
+    # size again and the sum half of it: 3 parts beyond the gradient; in pieces, the part being summed
+    # and one piece sent and received: 2.25 parts.
+    run = in_fresh_processes(_PIECES, {"pieces": []})["pieces"]
+    assert run["sums"] == [2.0 * 3 * 4096 * 2048 / 2] * 2  # each number: 2 x (1 + 2)
+    added = run["peak_mib"] - 2 * 2 * run["part_mib"]  # beyond the two gradients
+    assert added <= 2 * 2.5 * run["part_mib"], (added, run["part_mib"])

@@ -17,8 +17,9 @@ each replica keeps 1/N of the state and of the reduced gradient, on tf.distribut
                    weight = all-gather(shards)                          (into every replica's copy)
 
 The reduce-scatter is an all-to-all of the gradient's N parts and a local sum (the CPU has no
-reduce-scatter kernel; the all-to-all moves the same bytes). DP-SGD's noise is drawn by each shard's
-owner for its numbers only, the very numbers the unsharded step draws there (Philox counters).
+reduce-scatter kernel; the all-to-all moves the same bytes), in pieces (``Group.reduce_scatter``).
+DP-SGD's noise is drawn by each shard's owner for its numbers only, the very numbers the unsharded
+step draws there (Philox counters).
 
 Whole variables dealt out round-robin would need no padding, but one large variable (an embedding)
 then sits whole on one replica, over 1/N of the state; flat shards keep 1/N (+ a few numbers of
@@ -290,7 +291,7 @@ class Shards:
             elif g is None:
                 raw[j] = tf.zeros([layout.shard], tf.float32)
             else:
-                raw[j] = self.group.reduce_scatter(layout.padded(g * local_rows))
+                raw[j] = self.group.reduce_scatter(layout.padded(g), scale=local_rows)
         whole = [j for j, layout in enumerate(layouts) if layout is None]
         summed, sums = distribute.sum_across_replicas(ctx, ([raw[j] for j in whole], sums))
         for j, g in zip(whole, summed):

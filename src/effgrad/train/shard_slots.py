@@ -49,7 +49,7 @@ class Layout:
         """``value`` flat, with zeros up to ``replicas * shard`` numbers."""
         flat = tf.reshape(value, [-1])
         padding = self.replicas * self.shard - self.size
-        return tf.pad(flat, [[0, padding]]) if padding else flat
+        return tf.ensure_shape(tf.pad(flat, [[0, padding]]) if padding else flat, [self.replicas * self.shard])
 
     def piece(self, value, rank) -> tf.Tensor:
         """Replica ``rank``'s ``shard`` numbers of ``value`` (zeros past its end), with no padded copy of it."""
@@ -82,11 +82,34 @@ class Group:
             raise RuntimeError(f"effgrad: no collective of the strategy runs on {device} ({sorted(self.launchers)}).")
         return _compat.collective_arguments(self.launchers[device])
 
-    def reduce_scatter(self, flat) -> tf.Tensor:
-        """This replica's part (``1/replicas`` of ``flat``) of the sum of ``flat`` over replicas."""
-        parts = tf.reshape(tf.cast(flat, tf.float32), [self.replicas, -1])
-        received = tf.raw_ops.CollectiveAllToAllV2(input=parts, **self._arguments())  # row i: replica i's part
-        return tf.reduce_sum(received, axis=0)
+    def reduce_scatter(self, flat, scale=None) -> tf.Tensor:
+        """This replica's part (``1/replicas`` of ``flat``) of the sum of ``flat * scale`` over replicas.
+
+        An all-to-all and a local sum, in pieces one after the other, each summed into one part-sized
+        buffer in place: a piece's sent and received rows together hold at most one part's numbers
+        (received whole, they would be as large as ``flat``, next to ``flat`` itself). ``scale``
+        multiplies each piece before it is sent (no scaled copy of ``flat``).
+        """
+        parts = tf.reshape(flat, [self.replicas, -1])
+        width = parts.shape[1]
+        cut = -(-width // (2 * self.replicas))
+        pieces = -(-width // cut)
+        total = None
+        for i in range(pieces):
+            with tf.control_dependencies([] if total is None else [total]):  # cut once the last one is summed
+                piece = tf.cast(parts[:, i * cut : (i + 1) * cut] if pieces > 1 else parts, tf.float32)
+            if scale is not None:
+                piece = piece * scale
+            received = tf.raw_ops.CollectiveAllToAllV2(input=piece, **self._arguments())  # row j: replica j's
+            summed = tf.reduce_sum(received, axis=0)
+            if summed.shape[0] < cut:  # the last piece is shorter
+                summed = tf.pad(summed, [[0, cut - summed.shape[0]]])
+            if total is None:  # the first piece padded with zeros is the buffer (tf.zeros would be folded
+                # into a constant that the graph keeps for good); the others are written into it in place
+                total = tf.pad(summed[None], [[0, pieces - 1], [0, 0]])
+            else:
+                total = tf.raw_ops.InplaceUpdate(x=total, i=[i], v=summed[None])
+        return tf.reshape(total, [-1])[:width]
 
     def all_gather(self, shard) -> tf.Tensor:
         """Every replica's ``shard`` in replica order, along the first axis."""
