@@ -74,10 +74,12 @@ from effgrad._compat.tf_ops import (
     context_started,
     current_device,
     dynamic_update_slice,
+    empty_variable,
     gradient_function,
     in_xla_context,
     loops_one_iteration_at_a_time,
     optimization_barrier,
+    refill_variable,
     stop_recording,
 )
 from effgrad._compat.versions import TESTED
@@ -107,6 +109,7 @@ __all__ = [
     "context_started",
     "current_device",
     "dynamic_update_slice",
+    "empty_variable",
     "exclude_from_weight_decay_as",
     "flatten_layers",
     "functional_graph",
@@ -127,6 +130,7 @@ __all__ = [
     "mmap_of",
     "model_state",
     "optimization_barrier",
+    "refill_variable",
     "optimizer_strategy",
     "override_method",
     "own_variables",

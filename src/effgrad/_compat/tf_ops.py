@@ -17,10 +17,12 @@ __all__ = [
     "context_started",
     "current_device",
     "dynamic_update_slice",
+    "empty_variable",
     "gradient_function",
     "in_xla_context",
     "loops_one_iteration_at_a_time",
     "optimization_barrier",
+    "refill_variable",
     "stop_recording",
 ]
 
@@ -88,6 +90,24 @@ def context_started() -> bool:
 def in_xla_context() -> bool:
     """True while tracing inside a function compiled with XLA."""
     return bool(_in_xla(tf.compat.v1.get_default_graph()))
+
+
+def empty_variable(variable) -> tf.Operation:
+    """Frees ``variable``'s buffer until :func:`refill_variable`: it holds zero numbers, its shape stays declared.
+
+    ``tf.Variable.assign`` checks the value's shape against the variable's, in the graph and when it
+    runs; the op can do neither: its value's length is hidden from graph construction
+    (``PlaceholderWithDefault``) and its ``validate_shape`` is off. Reading the variable while empty
+    gives zero numbers, not its declared shape.
+    """
+    empty = tf.raw_ops.PlaceholderWithDefault(input=tf.zeros([0], variable.dtype), shape=[None])
+    return tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty, validate_shape=False)
+
+
+def refill_variable(variable, value) -> tf.Operation:
+    """``variable.assign(value)`` that an emptied variable (:func:`empty_variable`) accepts."""
+    value = tf.convert_to_tensor(value, variable.dtype)
+    return tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=False)
 
 
 # ------------------------------------------------- sharded optimizer state (effgrad.train.shard)

@@ -15,6 +15,7 @@ each replica keeps 1/N of the state and of the reduced gradient, on tf.distribut
         if finite: shard = this replica's numbers of each weight
                    optimizer.apply(final shard gradients, shards)      (Keras's own update)
                    weight = all-gather(shards)                          (into every replica's copy)
+                   shard emptied: it holds numbers only during the update
 
 The reduce-scatter is an all-to-all of the gradient's N parts and a local sum (the CPU has no
 reduce-scatter kernel; the all-to-all moves the same bytes), in pieces (``Group.reduce_scatter``).
@@ -251,6 +252,8 @@ class Shards:
                 for scope in variable.path.split("/")[:-1]:
                     scopes.enter_context(keras.name_scope(scope))
                 ref = ShardRef(layout, name=variable.name, dtype=variable.dtype)
+            for copy in strategy.experimental_local_results(ref.value):  # no memory until the first update
+                _compat.empty_variable(copy)
             _compat.exclude_from_weight_decay_as(optimizer, ref, variable)
             targets.append(ref)
             layouts[id(ref)] = layout
@@ -315,7 +318,7 @@ class Shards:
             final = step_update.with_tensors(tensors)
             clip, rank = final.clip(), _rank()
             # Each step starts from the weights themselves (they may have been set or restored since).
-            fresh = [t.value.assign(layout.piece(v, rank), read_value=False)
+            fresh = [_compat.refill_variable(t.value, layout.piece(v, rank))
                      for v, t, layout in zip(variables, targets, layouts) if layout is not None]  # fmt: skip
             with tf.control_dependencies(fresh):
                 grads = [final.gradient(j, clip) for j in range(len(final.raw))]
@@ -334,12 +337,13 @@ class Shards:
             return tf.cond(distribute.first_replica(strategy, apply_flag), run, lambda: tf.constant(False))
 
     def _gather(self, strategy, variable, target, layout: Layout) -> None:
-        """Every replica's copy of ``variable`` := all of its shards (cross-replica, one device at a time)."""
+        """Every replica's copy of ``variable`` := all of its shards, then the shard emptied (cross-replica,
+        one device at a time)."""
 
         def put(copy, shard):
             value = layout.whole(self.group.all_gather(tf.convert_to_tensor(shard)))
             if variable.constraint is not None:
                 value = variable.constraint(value)
-            return copy.assign(tf.cast(value, copy.dtype), read_value=False)
+            return copy.assign(tf.cast(value, copy.dtype), read_value=False), _compat.empty_variable(shard)
 
         strategy.extended.update(variable.value, put, args=(target.value,), group=False)

@@ -150,7 +150,8 @@ class Group:
 class ShardRef(keras.Variable):
     """This replica's ``layout.shard`` numbers of a model variable: what the optimizer is built on.
 
-    Rewritten from the weights at every step (they may have been set or restored since); not saved.
+    Holds them only during the update: written from the weights before it (they may have been set or
+    restored since), emptied once gathered into them (``_compat.empty_variable``); not saved.
     ``unsharded_size`` tells ``compact_state`` to store its slots as the whole variable's would be.
     """
 
