@@ -113,7 +113,7 @@ def _assert_sharded_equals_unsharded(strategy, optimizer, options, unsharded, sh
 
 _FOUR_REPLICAS = textwrap.dedent(
     """
-    import json
+    import json, sys
     import numpy as np, tensorflow as tf, keras, effgrad
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
@@ -121,29 +121,41 @@ _FOUR_REPLICAS = textwrap.dedent(
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 64)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
     out = {}
-    for shard in (False, True):
+
+    def train(shard, steps=5, restore=None, save=None):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             layers = [keras.Input((64,)), keras.layers.Dense(96, activation="relu"), keras.layers.Dense(3)]
             model, optimizer = keras.Sequential(layers), keras.optimizers.Adam(0.01)
         step = effgrad.build_train_step(model, "mse", optimizer, strategy=strategy, shard_state=shard, micro_batches=2)
-        for _ in range(5):
+        if restore:
+            tf.train.Checkpoint(model=model, optimizer=optimizer).read(restore).assert_consumed()
+        for i in range(steps):
             step(x, y)
-        out[str(shard)] = {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
+            if save is not None and i == 1:
+                save.append(tf.train.Checkpoint(model=model, optimizer=optimizer).write(sys.argv[1]))
+        return {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
+
+    out = {"False": train(False)}
+    saved = []
+    out["True"] = train(True, save=saved)
+    out["restored"] = train(True, steps=3, restore=saved[0])  # saved with 4 replicas, restored with 4
     print("@@" + json.dumps(out))
     """
 )
 
 
 @pytest.mark.slow
-def test_four_replicas_equal_the_unsharded_step():
+def test_four_replicas_equal_the_unsharded_step(tmp_path):
     # Four logical CPUs need a process of their own (the suite's has two). Adam only: the shards'
     # code does not depend on the optimizer (Keras's own update runs on each shard), and SGD with
     # momentum on shards is test_sharded_steps_equal_the_unsharded_step's and the multi-worker test's.
-    run = in_fresh_processes(_FOUR_REPLICAS, {"adam": []})["adam"]
-    assert run["True"]["sharded"] and not run["False"]["sharded"]
-    for a, b in zip(run["True"]["weights"], run["False"]["weights"]):
-        _close(np.array(a), np.array(b), "adam")
+    # Its checkpoint after 2 steps, restored by a new sharded step on 4 replicas, continues equal.
+    run = in_fresh_processes(_FOUR_REPLICAS, {"adam": [tmp_path / "four"]})["adam"]
+    assert run["True"]["sharded"] and run["restored"]["sharded"] and not run["False"]["sharded"]
+    for how in ("True", "restored"):
+        for a, b in zip(run[how]["weights"], run["False"]["weights"]):
+            _close(np.array(a), np.array(b), how)
 
 
 @pytest.mark.slow  # XLA compiles each compact update
