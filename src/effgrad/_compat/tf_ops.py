@@ -92,7 +92,7 @@ def in_xla_context() -> bool:
     return bool(_in_xla(tf.compat.v1.get_default_graph()))
 
 
-def empty_variable(variable) -> tf.Operation:
+def empty_variable(variable) -> tf.Operation | None:
     """Frees ``variable``'s buffer until :func:`refill_variable`: it holds zero numbers, its shape stays declared.
 
     ``tf.Variable.assign`` checks the value's shape against the variable's, in the graph and when it
@@ -104,7 +104,7 @@ def empty_variable(variable) -> tf.Operation:
     return tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty, validate_shape=False)
 
 
-def refill_variable(variable, value) -> tf.Operation:
+def refill_variable(variable, value) -> tf.Operation | None:
     """``variable.assign(value)`` that an emptied variable (:func:`empty_variable`) accepts."""
     value = tf.convert_to_tensor(value, variable.dtype)
     return tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=False)
