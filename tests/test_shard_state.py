@@ -122,24 +122,22 @@ _FOUR_REPLICAS = textwrap.dedent(
     x, y = rng.normal(size=(32, 64)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
     out = {}
 
-    def train(shard, steps=5, restore=None, save=None):
+    for shard in (False, True):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             layers = [keras.Input((64,)), keras.layers.Dense(96, activation="relu"), keras.layers.Dense(3)]
             model, optimizer = keras.Sequential(layers), keras.optimizers.Adam(0.01)
         step = effgrad.build_train_step(model, "mse", optimizer, strategy=strategy, shard_state=shard, micro_batches=2)
-        if restore:
-            tf.train.Checkpoint(model=model, optimizer=optimizer).read(restore).assert_consumed()
-        for i in range(steps):
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        for i in range(5):
             step(x, y)
-            if save is not None and i == 1:
-                save.append(tf.train.Checkpoint(model=model, optimizer=optimizer).write(sys.argv[1]))
-        return {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
-
-    out = {"False": train(False)}
-    saved = []
-    out["True"] = train(True, save=saved)
-    out["restored"] = train(True, steps=3, restore=saved[0])  # saved with 4 replicas, restored with 4
+            if shard and i == 1:
+                path = checkpoint.write(sys.argv[1])
+        out[str(shard)] = {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
+    checkpoint.read(path).assert_consumed()  # saved with 4 replicas after 2 steps, restored with 4
+    for _ in range(3):
+        step(x, y)
+    out["restored"] = {"sharded": bool(step.shard_state), "weights": [v.numpy().tolist() for v in model.weights]}
     print("@@" + json.dumps(out))
     """
 )
@@ -150,7 +148,7 @@ def test_four_replicas_equal_the_unsharded_step(tmp_path):
     # Four logical CPUs need a process of their own (the suite's has two). Adam only: the shards'
     # code does not depend on the optimizer (Keras's own update runs on each shard), and SGD with
     # momentum on shards is test_sharded_steps_equal_the_unsharded_step's and the multi-worker test's.
-    # Its checkpoint after 2 steps, restored by a new sharded step on 4 replicas, continues equal.
+    # Its checkpoint after 2 steps, restored into the sharded step on 4 replicas after 5, continues equal.
     run = in_fresh_processes(_FOUR_REPLICAS, {"adam": [tmp_path / "four"]})["adam"]
     assert run["True"]["sharded"] and run["restored"]["sharded"] and not run["False"]["sharded"]
     for how in ("True", "restored"):
