@@ -121,7 +121,6 @@ _FOUR_REPLICAS = textwrap.dedent(
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 64)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
     out = {}
-
     for shard in (False, True):
         with strategy.scope():
             keras.utils.set_random_seed(0)
