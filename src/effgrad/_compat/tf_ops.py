@@ -100,8 +100,9 @@ def empty_variable(variable) -> tf.Operation | None:
     (``PlaceholderWithDefault``) and its ``validate_shape`` is off. Reading the variable while empty
     gives zero numbers, not its declared shape.
     """
-    empty = tf.raw_ops.PlaceholderWithDefault(input=tf.zeros([0], variable.dtype), shape=[None])
-    return tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty, validate_shape=False)
+    return refill_variable(
+        variable, tf.raw_ops.PlaceholderWithDefault(input=tf.zeros([0], variable.dtype), shape=[None])
+    )
 
 
 def refill_variable(variable, value) -> tf.Operation | None:
