@@ -12,9 +12,10 @@ Fresh process per row. Tables:
   2 layers, hidden 256, 4 heads) at T = 1024 batch 4 and T = 256 batch 8, and
   of a Llama-style LM (``LlamaCausalLM``: untied head, 4 query / 2 key-value
   heads, V = 32,000) at T = 1024 batch 4: Keras ``train_on_batch`` (compiled
-  with ``weighted_metrics=[]``), effgrad with ``attention=False`` and effgrad's
-  default (fused loss, attention ``"auto"``); allocator peak, seconds (best of
-  the interleaved rounds).
+  with ``weighted_metrics=[]``), effgrad with ``attention=False``, with
+  ``recompute_activations=False`` and effgrad's default (fused loss, attention
+  and activation recompute ``"auto"``); allocator peak, seconds (best of the
+  interleaved rounds). ``lm_table()`` runs this table alone.
 * ``attention_longest``: the longest T (doubling from 512) at which one
   GPT-2 step (batch 1) stays within a fixed budget, Keras against effgrad's
   default.
@@ -121,6 +122,7 @@ def lm_child(config: dict) -> dict:
             return model.train_on_batch(x, y, sample_weight=w)
     else:
         options = {"attention": False} if method == "effgrad attention=False" else {}
+        options = {"recompute_activations": False} if method == "effgrad recompute_activations=False" else options
         step = effgrad.build_train_step(model, loss, opt, **options)
 
         def one_step():
@@ -170,7 +172,7 @@ def _layer_rows(quick: bool) -> list[dict]:
 
 
 def _lm_rows(quick: bool) -> list[dict]:
-    methods = ["keras", "effgrad attention=False", "effgrad default"]
+    methods = ["keras", "effgrad attention=False", "effgrad recompute_activations=False", "effgrad default"]
     small = {"hidden": 256, "heads": 4}
     if quick:
         shapes = [("tiny LM T=64 batch 2", {"model": "tiny", "vocab": 1000, "seq": 64, "batch": 2})]
@@ -236,22 +238,7 @@ def run(quick: bool = False) -> dict:
         "effgrad.attention vs keras.ops.dot_product_attention, fresh process per row"
     )
     payload = common.publish("attention", title, layer, columns)
-    lm = _lm_rows(quick)
-    columns = [
-        ("shape", "model", ""),
-        ("method", "method", ""),
-        ("attention", "routed", ""),
-        ("peak_mib", "peak MiB", ".0f"),
-        ("vs_keras", "vs Keras", ".2f"),
-        ("vs_no_attention", "vs attention=False", ".2f"),
-        ("seconds", "s / step", ".3f"),
-        ("time_vs_no_attention", "time vs attention=False", ".2f"),
-    ]
-    title = (
-        "One Adam step of a keras_hub LM (2 layers, hidden 256, fused loss where effgrad applies it): allocator peak "
-        "with and without efficient attention, and Keras train_on_batch compiled with weighted_metrics=[]"
-    )
-    common.publish("attention_lm", title, lm, columns)
+    lm_table(quick)
     longest = _longest_rows(quick)
     columns = [
         ("method", "method", ""),
@@ -266,6 +253,27 @@ def run(quick: bool = False) -> dict:
     common.publish("attention_longest", title, longest, columns)
     plot(layer)
     return payload
+
+
+def lm_table(quick: bool = False) -> None:
+    """The ``attention_lm`` table alone (``python -c "from benchmarks import attention; attention.lm_table()"``)."""
+    lm = _lm_rows(quick)
+    columns = [
+        ("shape", "model", ""),
+        ("method", "method", ""),
+        ("attention", "routed", ""),
+        ("peak_mib", "peak MiB", ".0f"),
+        ("vs_keras", "vs Keras", ".2f"),
+        ("vs_no_attention", "vs attention=False", ".2f"),
+        ("seconds", "s / step", ".3f"),
+        ("time_vs_no_attention", "time vs attention=False", ".2f"),
+    ]
+    title = (
+        "One Adam step of a keras_hub LM (2 layers, hidden 256, fused loss where effgrad applies it): allocator peak "
+        "with and without efficient attention and activation recompute, and Keras train_on_batch compiled with "
+        "weighted_metrics=[]"
+    )
+    common.publish("attention_lm", title, lm, columns)
 
 
 def plot(rows: list[dict]):

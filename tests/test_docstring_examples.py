@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad import _proof
+from effgrad.remat import activations
 from effgrad.train import accumulate, compact, shard
 from effgrad.train.compact import codec
 
@@ -27,6 +28,7 @@ EXAMPLES = [
     effgrad.attention,
     effgrad.efficient_attention,
     compact,  # the module's example
+    activations,
     codec,
     _proof,
     accumulate.Accumulators,

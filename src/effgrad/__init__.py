@@ -34,6 +34,7 @@ if not _quiet.answering_help():
         from effgrad.attention import AttentionRouting, attention, efficient_attention
         from effgrad.diagnostics import MemoryMonitor
         from effgrad.explain import saliency, saliency_summary
+        from effgrad.remat.activations import ActivationRecompute, recompute_activations
         from effgrad.remat.checkpointing import (
             Checkpoint,
             CheckpointedModel,
@@ -54,6 +55,7 @@ if not _quiet.answering_help():
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationRecompute",
     "AttentionRouting",
     "Checkpoint",
     "CheckpointedModel",
@@ -79,6 +81,7 @@ __all__ = [
     "per_example_norms",
     "plan",
     "privacy",
+    "recompute_activations",
     "saliency",
     "saliency_summary",
 ]

@@ -107,6 +107,17 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               routed (it returns its scores, overrides ``_compute_attention``);
               ``False`` never. ``step.attention`` / ``step.attention_reason``
               tell. Inference, ``generate`` and saved files are unchanged.
+            * ``recompute_activations``: in the step's (training) calls, the
+              activation function of a ``Dense``, ``EinsumDense``,
+              convolution or ``Activation`` layer runs again in backprop
+              from its input, which is all it keeps
+              (:func:`effgrad.recompute_activations`; the same function, so
+              the same values and gradients). ``"auto"`` (default): the
+              activations whose backprop keeps two or more tensors of their
+              input's size besides the output (GELU: four; ReLU, tanh:
+              none); ``True``: every non-linear one; ``False`` never.
+              ``step.recompute_activations`` /
+              ``step.recompute_activations_reason`` tell. Off under DP-SGD.
             * ``per_example_clip``, ``noise_multiplier``, ``seed``: DP-SGD.
               Each example's gradient (of its loss summed over its elements)
               is clipped to norm ``per_example_clip`` without forming

@@ -52,6 +52,8 @@ class StepOptions:
     fused_loss: bool | str = "auto"
     # Attention layers computed by effgrad.attention in training calls (effgrad.attention.routing).
     attention: bool | str = "auto"
+    # Activation functions recomputed in backprop, their inputs kept (effgrad.remat.activations).
+    recompute_activations: bool | str = "auto"
     # DP-SGD: each example's gradient clipped to this norm, Gaussian noise added once per batch.
     per_example_clip: float | None = None
     noise_multiplier: float | None = None
@@ -62,7 +64,7 @@ class StepOptions:
     def __post_init__(self):
         if not isinstance(self.shard_state, bool):
             raise ValueError(f"shard_state must be True or False, got {self.shard_state!r}.")
-        for name in ("fused_update", "fused_loss", "attention"):
+        for name in ("fused_update", "fused_loss", "attention", "recompute_activations"):
             value = getattr(self, name)
             if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
                 raise ValueError(f'{name} must be True, False or "auto", got {value!r}.')
@@ -98,6 +100,7 @@ class StepOptions:
         for name, why in (
             ("fused_update", "each example's gradient norm is needed before any update"),
             ("fused_loss", "the per-example norms need the gradient of the logits"),
+            ("recompute_activations", "the per-example norms read each layer's own backprop"),
         ):
             if getattr(self, name) is True:
                 raise ValueError(f"{name}=True cannot be combined with per_example_clip: {why}.")

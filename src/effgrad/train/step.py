@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from effgrad import _checks, distribute
 from effgrad.attention import routing as attention_routing
+from effgrad.remat import activations
 from effgrad.train import accumulate, batches, flows, fused_loss, fused_update, noise_scale, shard, update
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
@@ -106,6 +107,8 @@ class TrainStep:
             ``fused_loss_reason`` says why (not). None until the first call.
         attention: Whether attention layers compute with :func:`effgrad.attention`
             (``attention=`` option); ``attention_reason`` says which and why. None until the first call.
+        recompute_activations: Whether activation functions are recomputed in backprop
+            (``recompute_activations=`` option); ``recompute_activations_reason`` says which and why.
         shard_state: Whether each replica keeps 1/N of the optimizer state and
             reduced gradients (``shard_state=True`` with several replicas);
             ``shard_state_reason`` says what was done and why.
@@ -155,6 +158,8 @@ class TrainStep:
         self.fused_update: bool | None = None
         self.attention: bool | None = None
         self.attention_reason = ""
+        self.recompute_activations: bool | None = None
+        self.recompute_activations_reason = ""
         self.batch_hint: tuple[int, int] | None = None  # (rows, largest other axis) of the first batch
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.noise_scale: noise_scale.GradientNoiseScale | None = None
@@ -420,9 +425,14 @@ class TrainStep:
                 f"{type(self.model).__name__} is not built, so the step has no variables to train: build it (call it "
                 "on a batch, or give it keras.Input) or call the step itself on a batch first."
             )
-        with attention_routing.efficient_attention(self.model, self.options.attention) as routing:
+        recompute = False if self.options.private else self.options.recompute_activations
+        with (
+            attention_routing.efficient_attention(self.model, self.options.attention) as routing,
+            activations.recompute_activations(self.model, recompute) as recomputed,
+        ):
             logs = self._replica_step(x, y, sample_weight, shard, micro_batches)
         self.attention, self.attention_reason = routing.applied, routing.reason
+        self.recompute_activations, self.recompute_activations_reason = recomputed.applied, recomputed.reason
         return logs
 
     def _replica_step(self, x, y, sample_weight, shard, micro_batches) -> dict:

@@ -1,0 +1,140 @@
+"""Activation functions recomputed in backprop: the same step, less held (effgrad.recompute_activations)."""
+
+import contextlib
+import json
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import effgrad
+from conftest import assert_variables_close
+from helpers import in_fresh_processes, tiny_gpt2_lm
+
+
+def _lm_steps(recompute, jit_compile=False, strategy=None, steps=2):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = tiny_gpt2_lm(dropout=0.1, layers=2)
+        optimizer = keras.optimizers.Adam(0.01)
+    tokens = np.random.default_rng(0).integers(0, 50, (4, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
+    step = effgrad.build_train_step(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer,
+        recompute_activations=recompute,
+        jit_compile=jit_compile,
+        strategy=strategy,
+    )
+    losses = [float(step(x, np.roll(tokens, -1, axis=1))["loss"]) for _ in range(steps)]
+    return model, step, losses
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+def test_a_keras_hub_lm_step_equals_the_step_without_recompute(jit_compile):
+    plain, plain_step, plain_losses = _lm_steps(False, jit_compile)
+    model, step, losses = _lm_steps("auto", jit_compile)
+    assert step.recompute_activations and not plain_step.recompute_activations
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    assert_variables_close(model.trainable_variables, plain.trainable_variables, atol=1e-6)
+
+
+def test_under_mirrored_strategy_equals_the_step_without_recompute(strategy):
+    one, _, one_losses = _lm_steps(False, strategy=strategy)
+    two, step, losses = _lm_steps("auto", strategy=strategy)
+    assert step.recompute_activations
+    assert losses == pytest.approx(one_losses, rel=1e-5)
+    assert_variables_close(two.trainable_variables, one.trainable_variables, atol=1e-5)
+
+
+def test_eager_gradients_equal_the_layers_own(rng):
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="gelu"), keras.layers.Dense(2)])
+    x = rng.normal(size=(5, 6)).astype("float32")
+
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    plain = gradients()
+    gelu = model.layers[0].activation
+    with effgrad.recompute_activations(model, "auto") as block:
+        recomputed = gradients()
+    assert block.applied
+    assert_variables_close(recomputed, plain, atol=1e-7)
+    assert model.layers[0].activation is gelu  # the layer's own again: inference and saved files see it
+
+
+class _OwnCall(keras.layers.Dense):
+    def call(self, inputs):
+        return super().call(inputs) * 2.0
+
+
+def test_auto_recomputes_only_what_keeps_more_than_its_input(rng):
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(8, activation="gelu", name="gelu")(inputs)
+    h = keras.layers.Dense(8, activation="relu", name="relu")(h)
+    h = keras.layers.Dense(8, activation="tanh", name="tanh")(h)
+    h = _OwnCall(8, activation="gelu", name="own_call")(h)
+    h = keras.layers.Activation(lambda t: keras.activations.gelu(t, approximate=True), name="activation")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="linear")(h))
+    x = rng.normal(size=(3, 8)).astype("float32")
+    with effgrad.recompute_activations(model, "auto") as block:
+        model(x, training=True)
+        model(x, training=False)  # inference calls recompute nothing and decide nothing
+    decided = {name.split("/")[-1]: done for name, (done, _) in block.decisions.items()}
+    assert decided == {"gelu": True, "relu": False, "tanh": False, "activation": True}
+    with effgrad.recompute_activations(model, True) as block:
+        model(x, training=True)
+    assert all(done for done, _ in block.decisions.values()) and len(block.decisions) == 4
+
+
+def test_an_activation_drawing_stateful_random_numbers_is_not_recomputed(rng):
+    def noisy(t):
+        return tf.nn.relu(t) + tf.random.uniform(tf.shape(t), maxval=1e-3)
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation=noisy), keras.layers.Dense(1)])
+    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), recompute_activations=True)
+    with pytest.warns(UserWarning, match="stateful"):
+        logs = step(rng.normal(size=(8, 4)).astype("float32"), np.zeros((8, 1), "float32"))
+    assert np.isfinite(float(logs["loss"]))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"recompute_activations": "yes"}, {"recompute_activations": True, "per_example_clip": 1.0, "noise_multiplier": 1}],
+)
+def test_bad_options_get_a_one_line_error(options):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="gelu")])
+    with pytest.raises(ValueError, match="recompute_activations") as err:
+        effgrad.build_train_step(model, "mse", "sgd", **options)
+    assert "\n" not in str(err.value)
+
+
+_MEMORY = textwrap.dedent(
+    """
+    import json, sys
+    import effgrad, keras, numpy as np
+    mode = {"off": False, "auto": "auto"}[sys.argv[1]]
+    keras.utils.set_random_seed(0)
+    gelu = lambda t: keras.activations.gelu(t, approximate=True)
+    model = keras.Sequential([keras.Input((128,))] + [keras.layers.Dense(1024, activation=gelu) for _ in range(4)]
+                             + [keras.layers.Dense(1)])
+    x, y = np.ones((1024, 128), "float32"), np.zeros((1024, 1), "float32")
+    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.01), recompute_activations=mode)
+    step(x, y)
+    print("@@" + json.dumps(effgrad.memory.measure(step, x, y).extra_bytes))
+    """
+)
+
+
+def test_recomputing_the_gelu_frees_what_its_backprop_kept():
+    extra = in_fresh_processes(_MEMORY, {m: [m] for m in ("off", "auto")})
+    tensor = 1024 * 1024 * 4  # one [batch, 1024] float32 activation: 4 MiB
+    # The tanh GELU's backprop keeps four tensors beyond its output; recomputed, it keeps one (its
+    # input): three fewer per layer while backprop works on another (the one it works on makes them
+    # again for a while): at least 3 x 3 at the peak of 4 layers.
+    print(json.dumps({k: v / tensor for k, v in extra.items()}))
+    assert extra["auto"] <= extra["off"] - 7 * tensor, json.dumps(extra)
