@@ -16,7 +16,7 @@ from helpers import in_fresh_processes, tiny_gpt2_lm
 
 def _lm_steps(recompute, jit_compile=False, strategy=None, steps=2):
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = tiny_gpt2_lm(dropout=0.1, layers=2)
+        model = tiny_gpt2_lm(dropout=0.1, layers=1)
         optimizer = keras.optimizers.Adam(0.01)
     tokens = np.random.default_rng(0).integers(0, 50, (4, 8)).astype("int32")
     x = {"token_ids": tokens, "padding_mask": np.ones((4, 8), "int32")}
@@ -65,6 +65,21 @@ def test_eager_gradients_equal_the_layers_own(rng):
     assert block.applied
     assert_variables_close(recomputed, plain, atol=1e-7)
     assert model.layers[0].activation is gelu  # the layer's own again: inference and saved files see it
+
+
+def test_a_decision_first_made_inside_a_checkpointed_block_is_right(rng):
+    # A checkpointed block's forward pass runs with the tapes paused: deciding there must not see "keeps 0".
+    def gelu(t):  # a function no other test has decided on (decisions are cached per function)
+        return keras.activations.gelu(t)
+
+    inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation=gelu)])
+    light = effgrad.Checkpoint(inner)
+    x = tf.constant(rng.normal(size=(3, 8)).astype("float32"))
+    with effgrad.recompute_activations(inner, "auto") as block, tf.GradientTape() as tape:
+        loss = tf.reduce_sum(light(x, training=True))
+    grads = tape.gradient(loss, inner.trainable_variables)
+    assert [done for done, _ in block.decisions.values()] == [True]
+    assert all(g is not None for g in grads)
 
 
 class _OwnCall(keras.layers.Dense):
