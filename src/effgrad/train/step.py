@@ -433,6 +433,8 @@ class TrainStep:
             logs = self._replica_step(x, y, sample_weight, shard, micro_batches)
         self.attention, self.attention_reason = routing.applied, routing.reason
         self.recompute_activations, self.recompute_activations_reason = recomputed.applied, recomputed.reason
+        if self.options.private:
+            self.recompute_activations_reason = "off under DP-SGD: the per-example norms read each layer's own backprop"
         return logs
 
     def _replica_step(self, x, y, sample_weight, shard, micro_batches) -> dict:
