@@ -106,15 +106,51 @@ def test_auto_recomputes_only_what_keeps_more_than_its_input(rng):
     assert all(done for done, _ in block.decisions.values()) and len(block.decisions) == 4
 
 
-def test_an_activation_drawing_stateful_random_numbers_is_not_recomputed(rng):
-    def noisy(t):
-        return tf.nn.relu(t) + tf.random.uniform(tf.shape(t), maxval=1e-3)
+_CONSTANT = tf.constant(1.5)
+_PER_UNIT = np.linspace(0.5, 1.5, 8).astype("float32")
+_VARIABLE = keras.Variable(1.5, trainable=False)
 
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation=noisy), keras.layers.Dense(1)])
-    step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), recompute_activations=True)
-    with pytest.warns(UserWarning, match="stateful"):
-        logs = step(rng.normal(size=(8, 4)).astype("float32"), np.zeros((8, 1), "float32"))
-    assert np.isfinite(float(logs["loss"]))
+
+@pytest.mark.parametrize("mode", ["auto", True])
+@pytest.mark.parametrize(
+    "activation, recomputable",
+    [
+        (lambda t: keras.activations.gelu(t * _CONSTANT), True),  # an eager constant, captured
+        (lambda t: keras.activations.gelu(t * _PER_UNIT), True),  # needs the layer's own width
+        (lambda t: keras.activations.gelu(t * _VARIABLE), False),  # state: not proven to read the same again
+    ],
+    ids=["constant", "per-unit", "variable"],
+)
+def test_a_user_activation_is_recomputed_only_where_proven_and_the_step_is_unchanged(activation, recomputable, mode):
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    steps = []
+    for recompute in (mode, False):
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((8,)), keras.layers.Dense(8, activation=activation), keras.layers.Dense(1)]
+        model = keras.Sequential(layers)
+        steps.append(effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), recompute_activations=recompute))
+        steps[-1](x, x[:, :1])
+    assert steps[0].recompute_activations is recomputable
+    assert_variables_close(steps[0].model.trainable_variables, steps[1].model.trainable_variables, atol=1e-7)
+
+
+def test_an_activation_drawing_random_numbers_is_not_recomputed_even_in_eager_loops(rng):
+    def noisy(t):
+        return keras.activations.gelu(t) * (1.0 + 0.1 * tf.random.uniform(tf.shape(t)))
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation=noisy), keras.layers.Dense(1)])
+    x = rng.normal(size=(4, 8)).astype("float32")
+
+    def gradients(mode):
+        tf.random.set_seed(5)  # the same draws in the forward pass of both
+        with effgrad.recompute_activations(model, mode) as block, tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables), block
+
+    plain, _ = gradients(False)
+    kept, block = gradients(True)  # True too: a second run would draw other numbers
+    assert block.decisions and not block.applied
+    assert_variables_close(kept, plain, atol=0)
 
 
 @pytest.mark.parametrize(

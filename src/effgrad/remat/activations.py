@@ -16,12 +16,17 @@ stands in for user code, so the values and gradients are the layer's own
 elimination from merging the recompute back, which would keep everything
 again).
 
-Which activations: ``"auto"`` recomputes one when its backprop keeps at least
-two tensors of its input's size besides its output (the recompute keeps one:
-the input). This is read from the gradient graph of the function itself,
-traced once on a small input: GELU (both forms) and swish/SiLU qualify; ReLU,
-tanh and sigmoid, whose gradients read only their output, do not. ``True``
-recomputes every non-linear activation of those layers.
+Which activations: only one proven to give the same values when run again:
+its graph, traced on its own (in a function graph of its own, on the layer
+input's shape, never run), has no stateful op (random numbers, a variable
+read or write), and it traces at all; anything else is kept and the reason
+logged. ``"auto"`` recomputes one when its backprop keeps at least two
+tensors of its input's size besides its output (the recompute keeps one: the
+input), read from that same graph: GELU (both forms), SiLU/swish, mish and
+hard SiLU qualify; ReLU, tanh and sigmoid, whose gradients read only their
+output, and softplus, leaky ReLU and softsign (one) do not. ``True``
+recomputes every non-linear activation of those layers that is proven
+recomputable.
 
 Example:
     >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="gelu"), keras.layers.Dense(1)])
@@ -39,7 +44,6 @@ Trap:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -50,13 +54,15 @@ import tensorflow as tf
 from effgrad import _compat
 from effgrad.remat.checkpointing import checkpoint
 
-__all__ = ["ActivationRecompute", "recompute_activations", "check_mode", "kept_by_backprop"]
+__all__ = ["ActivationRecompute", "recompute_activations", "check_mode", "analyse"]
 
 _log = logging.getLogger("effgrad")
 _LOCK = threading.RLock()
 
 # Keras layers whose call ends with ``self.activation(outputs)``: a subclass qualifies when it
-# inherits that call.
+# inherits that call. Not SeparableConv2D: on TF 2.21 Grappler's remapper fails on its bias add when the
+# recompute's barrier reads it ("fanout 'XlaOptimizationBarrier' exist for missing node") and then
+# leaves the whole graph unfused.
 _LAYERS = (
     keras.layers.Dense,
     keras.layers.EinsumDense,
@@ -69,7 +75,6 @@ _LAYERS = (
     keras.layers.DepthwiseConv1D,
     keras.layers.DepthwiseConv2D,
     keras.layers.SeparableConv1D,
-    keras.layers.SeparableConv2D,
     keras.layers.Activation,
 )
 
@@ -80,34 +85,51 @@ def check_mode(mode) -> bool | str:
     return mode
 
 
-@functools.lru_cache(maxsize=256)
-def kept_by_backprop(fn) -> int:
-    """How many tensors of its input's size, other than its output, ``fn``'s gradient reads.
+def analyse(fn, x) -> tuple[int, str | None]:
+    """``(kept, unsafe)`` for ``fn`` on inputs shaped as ``x``.
 
-    Traced once per function on a ``[2, 3]`` float32 input in a graph of its own.
+    ``kept``: how many tensors of ``x``'s size, other than its output, ``fn``'s gradient reads.
+    ``unsafe``: why ``fn`` cannot be run again to the same values (it draws random numbers, reads or
+    changes state, or could not be traced on its own), else None. Traced in a function graph of its
+    own (which captures the constants and variables ``fn`` closes over) on ``x``'s shape, and never run.
     """
-    with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [2, 3])
-        upstream = tf.compat.v1.placeholder(tf.float32, [2, 3])
-        y = fn(x)
-        forward = set(graph.get_operations())
+    shape = [2 if n is None else n for n in x.shape]
+    spec = tf.TensorSpec(shape, x.dtype if x.dtype.is_floating else tf.float32)
+    found: dict = {}
+
+    def probe(x, upstream):
+        graph = x.graph
+        before = set(graph.get_operations())
+        y = tf.convert_to_tensor(fn(x))
+        forward = set(graph.get_operations()) - before
+        stateful = sorted({op.type for op in forward if op.op_def.is_stateful})
         # Symbolic gradients, not a tape: a tape records nothing where recording is paused (inside a
         # checkpointed segment's forward pass, where the first call may come from).
         tf.compat.v1.gradients(y, x, grad_ys=upstream)
+        forward |= {x.op}
         read = {  # the upstream gradient is no forward tensor
             t.ref()
             for op in graph.get_operations()
-            if op not in forward
+            if op not in forward and op not in before
             for t in op.inputs
-            if t.op in forward and t.shape == x.shape and t.dtype.is_floating and t is not upstream
+            if t.op in forward and t.shape == x.shape and t.dtype.is_floating
         }
-        y = tf.convert_to_tensor(y)
         while True:  # the output and what it merely renames hold one buffer
             read.discard(y.ref())
             if y.op.type not in ("Identity", "Cast", "Reshape") or not y.op.inputs:
                 break
             y = y.op.inputs[0]
-    return len(read)
+        found.update(kept=len(read), stateful=stateful)
+        return x
+
+    try:
+        tf.function(probe, autograph=False).get_concrete_function(spec, spec)
+    except Exception as error:  # noqa: BLE001 - any failure means: not proven, keep it
+        line = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        return 0, f"it could not be traced on its own ({type(error).__name__}: {line})"
+    if found["stateful"]:
+        return found["kept"], f"it runs stateful ops ({', '.join(found['stateful'][:3])}): a second run may differ"
+    return found["kept"], None
 
 
 def _eligible(layer) -> bool:
@@ -152,12 +174,14 @@ class ActivationRecompute:
             parts.append(f"{'recomputed' if done else 'kept'} in {shown}: {why}")
         return "; ".join(parts)
 
-    def decide(self, layer, fn) -> bool:
+    def decide(self, layer, fn, analysis: tuple[int, str | None]) -> bool:
         name = getattr(fn, "__name__", type(fn).__name__)
-        if self.mode is True:
+        kept, unsafe = analysis
+        if unsafe:
+            done, why = False, f"{unsafe} ({name})"
+        elif self.mode is True:
             done, why = True, f"recompute_activations=True ({name})"
         else:
-            kept = kept_by_backprop(fn)
             done = kept >= 2
             why = f"its backprop keeps {kept} tensor{'s' * (kept != 1)} of its input's size besides its output ({name})"
         with _LOCK:
@@ -178,6 +202,7 @@ class _Hook:
         self.recomputed = checkpoint(original)
         self.blocks: list[tuple[int, ActivationRecompute]] = []  # (thread id, block), newest last
         self.previous = None
+        self.analyses: dict = {}  # (shape, dtype) -> analyse(original, ...): once per shape while installed
 
     def block(self) -> ActivationRecompute | None:
         """This thread's newest block (MirroredStrategy traces each replica in a thread), else the newest."""
@@ -191,7 +216,12 @@ class _Hook:
         block = self.block()
         if block is None or args or kwargs or not _compat.call_context_training():
             return self.original(x, *args, **kwargs)
-        if not block.decide(self.layer, self.original):
+        x = tf.convert_to_tensor(x)
+        key = (tuple(x.shape), x.dtype)
+        with _LOCK:
+            if key not in self.analyses:
+                self.analyses[key] = analyse(self.original, x)
+        if not block.decide(self.layer, self.original, self.analyses[key]):
             return self.original(x)
         return self.recomputed(x)
 

@@ -114,8 +114,10 @@ def build_train_step(model, loss, optimizer, **options) -> TrainStep:
               (:func:`effgrad.recompute_activations`; the same function, so
               the same values and gradients). ``"auto"`` (default): the
               activations whose backprop keeps two or more tensors of their
-              input's size besides the output (the tanh GELU: four; ReLU,
-              tanh: none); ``True``: every non-linear one; ``False`` never.
+              input's size besides the output (GELU, SiLU; not ReLU,
+              tanh); ``True``: every non-linear one; ``False`` never.
+              Only activations proven free of state (no random numbers,
+              no variable reads) are recomputed.
               ``step.recompute_activations`` /
               ``step.recompute_activations_reason`` tell. Off under DP-SGD.
             * ``per_example_clip``, ``noise_multiplier``, ``seed``: DP-SGD.
