@@ -218,9 +218,8 @@ class _Hook:
             return self.original(x, *args, **kwargs)
         x = tf.convert_to_tensor(x)
         key = (tuple(x.shape), x.dtype)
-        with _LOCK:
-            if key not in self.analyses:
-                self.analyses[key] = analyse(self.original, x)
+        if key not in self.analyses:  # not under the lock: tracing waits for no other replica's thread
+            self.analyses.setdefault(key, analyse(self.original, x))
         if not block.decide(self.layer, self.original, self.analyses[key]):
             return self.original(x)
         return self.recomputed(x)
