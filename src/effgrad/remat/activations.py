@@ -124,7 +124,7 @@ def analyse(fn, x) -> tuple[int, str | None]:
 
     try:
         tf.function(probe, autograph=False).get_concrete_function(spec, spec)
-    except Exception as error:  # noqa: BLE001 - any failure means: not proven, keep it
+    except Exception as error:  # any failure: not proven, so it is kept
         line = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         return 0, f"it could not be traced on its own ({type(error).__name__}: {line})"
     if found["stateful"]:
