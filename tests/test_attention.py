@@ -156,6 +156,22 @@ def test_dropout_keeps_the_right_share_and_changes_with_the_seed():
     assert not np.allclose(out, effgrad.attention(q, k, v))  # dropout did something
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_float64_inputs_equal_the_plain_computation_in_float64(mode):
+    case = CASES["causal_and_mask"]
+    q, k, v, w, mask = _inputs(**case)
+    q, k, v, w = (tf.cast(t, tf.float64) for t in (q, k, v, w))
+
+    def ours(q, k, v):
+        return _value_and_grads(lambda *a: effgrad.attention(*a, mask=mask, causal=True, block_size=8), q, k, v, w)
+
+    # The plain computation in float64 (keras.ops.dot_product_attention rounds float64 to float32 on TF).
+    reference = _value_and_grads(lambda *a: _plain(*a, mask, causal=True), q, k, v, w)
+    result = MODES[mode](ours)(q, k, v)
+    assert all(t.dtype == tf.float64 for t in result)
+    assert_all_close(result, reference, rtol=1e-9)
+
+
 def test_half_precision_inputs_accumulate_in_float32():
     q, k, v, _, mask = _inputs(t=40, s=40, heads=2, kv_heads=2, mask="keys")
     out = effgrad.attention(*(tf.cast(x, tf.bfloat16) for x in (q, k, v)), mask=mask, causal=True)
@@ -178,6 +194,7 @@ BAD = [
     (dict(dropout_rate=1.0, seed=1), "dropout_rate"),
     (dict(block_size=0), "block_size"),
     (dict(soft_cap=-1.0), "soft_cap"),
+    (dict(key=tf.zeros([2, 0, 2, 8]), value=tf.zeros([2, 0, 2, 8])), "at least 1"),
 ]
 
 

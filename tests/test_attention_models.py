@@ -1,6 +1,7 @@
 """Keras and keras_hub attention layers routed to effgrad.attention train exactly as with their own attention."""
 
 import logging
+import types
 
 import keras
 import keras_hub
@@ -275,6 +276,34 @@ def test_a_layer_it_cannot_prove_equal_keeps_its_own_path_and_says_why(caplog):
         with effgrad.efficient_attention(model.scores):
             model.scores(x, x, training=True, return_attention_scores=True)
     assert "\n" not in str(err.value)
+
+
+_KERAS_ATTENTION = keras.layers.MultiHeadAttention._compute_attention
+
+
+def _scaled_queries(self, query, key, value, *args, **kwargs):
+    # a user's (or a library's) patch: queries scaled up, then Keras's own computation
+    return _KERAS_ATTENTION(self, query * 3.0, key, value, *args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["instance", "class"])
+def test_a_patched_attention_method_is_not_replaced_by_the_kernel(where, monkeypatch):
+    x = np.random.default_rng(0).normal(size=(2, 64, 16)).astype("float32")
+    losses, steps = [], []
+    for mode in ("auto", False):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64, 16))
+        layer = keras.layers.MultiHeadAttention(2, 8)
+        model = keras.Model(inputs, layer(inputs, inputs, use_causal_mask=True))
+        with monkeypatch.context() as patch:
+            if where == "instance":
+                patch.setattr(layer, "_compute_attention", types.MethodType(_scaled_queries, layer), raising=False)
+            else:
+                patch.setattr(keras.layers.MultiHeadAttention, "_compute_attention", _scaled_queries)
+            steps.append(effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), attention=mode))
+            losses.append(float(steps[-1](x, x)["loss"]))
+    assert steps[0].attention is False
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_auto_decides_from_the_layers_shapes():

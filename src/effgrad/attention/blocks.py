@@ -188,7 +188,7 @@ class _Block:
 
             def masked():
                 s5 = tf.reshape(s, [-1, plan.kv_heads, plan.groups, plan.bq, plan.bk])
-                return tf.reshape(tf.where(self.allowed, s5, -math.inf), tf.shape(s))
+                return tf.reshape(tf.where(self.allowed, s5, tf.constant(-math.inf, s5.dtype)), tf.shape(s))
 
             s = masked() if self.edge is None else tf.cond(self.edge, masked, lambda: s)
         return s, t
@@ -197,7 +197,7 @@ class _Block:
         """``x * keep / (1 - rate)`` (no dropout: ``x``)."""
         if self.keep is None:
             return x
-        return tf.where(self.keep, x / (1.0 - self.plan.rate), 0.0)
+        return tf.where(self.keep, x / (1.0 - self.plan.rate), tf.zeros_like(x))
 
 
 def _mix(x):
@@ -281,7 +281,8 @@ def forward(q, k, v, mask, seed, plan: Plan):
             def update(m, total, acc):
                 s, _ = block.scores(qi, tf.cast(tf.gather(kb, j), plan.dtype))
                 m_new = tf.maximum(m, tf.reduce_max(s, axis=-1))
-                m_safe = tf.where(tf.math.is_inf(m_new), 0.0, m_new)  # no key seen yet: nothing to shift
+                # no key seen yet: nothing to shift
+                m_safe = tf.where(tf.math.is_inf(m_new), tf.zeros_like(m_new), m_new)
                 p = tf.exp(s - m_safe[..., None])
                 correction = tf.exp(m - m_safe)
                 total = total * correction + tf.reduce_sum(p, axis=-1)
@@ -293,8 +294,9 @@ def forward(q, k, v, mask, seed, plan: Plan):
         end = plan.last_key_block(i)
         _, m, total, acc = tf.while_loop(lambda j, *_: j < end, key_block, start, parallel_iterations=1)
         seen = total > 0.0
-        o = acc / tf.where(seen, total, 1.0)[..., None]
-        lse = tf.where(seen, m + tf.math.log(tf.where(seen, total, 1.0)), 0.0)
+        ones = tf.ones_like(total)
+        o = acc / tf.where(seen, total, ones)[..., None]
+        lse = tf.where(seen, m + tf.math.log(tf.where(seen, total, ones)), tf.zeros_like(total))
         return i + 1, out.write(i, o), lses.write(i, lse), seens.write(i, seen)
 
     arrays = (

@@ -58,6 +58,8 @@ def make_plan(
     (b, t, h, d), (bk, s, hk, dk), (bv, sv, hv, dv) = (x.shape.as_list() for x in (q, k, v))
     if None in (t, h, d, s, hk, dk, sv, hv, dv):
         _fail(f"lengths, heads and depths must be static; got query {q.shape}, key {k.shape}, value {v.shape}.")
+    if 0 in (t, s):
+        _fail(f"the query and key lengths must be at least 1; got query {q.shape}, key {k.shape}.")
     if d != dk:
         _fail(f"query and key depths differ ({d} vs {dk}).")
     if (s, hk) != (sv, hv):

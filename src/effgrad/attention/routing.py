@@ -115,6 +115,8 @@ class _Hook:
         job = known.job(layer, self.family, arguments)
         if not isinstance(job, str) and None in [*job.q.shape[1:], *job.k.shape[1:], *job.v.shape[1:]]:
             job = f"its lengths, heads or depths are unknown while tracing (query {job.q.shape}, key {job.k.shape})"
+        elif not isinstance(job, str) and 0 in (job.q.shape[1], job.k.shape[1]):
+            job = f"its query or key sequence is empty (query {job.q.shape}, key {job.k.shape})"
         if isinstance(job, str):
             if routing.mode is True:  # raised as the block closes: Keras would wrap it in lines of its own here
                 routing.refused.append((layer, job))
