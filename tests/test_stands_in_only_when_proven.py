@@ -69,6 +69,19 @@ def test_a_dense_subclass_with_its_own_call_is_not_fused_as_a_dense(rng):
     assert "HalfDense" in step.fused_loss_reason
 
 
+_DENSE_CALL = keras.layers.Dense.call
+
+
+def _halved_call(self, inputs, *args, **kwargs):  # a patch a user or a library applied to the class
+    return _DENSE_CALL(self, inputs, *args, **kwargs) * 0.5
+
+
+def test_a_head_whose_class_method_was_patched_is_not_fused(rng, monkeypatch):
+    monkeypatch.setattr(keras.layers.Dense, "call", _halved_call)
+    step = _fit_both(rng, lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert step.fused_loss is False
+
+
 def test_a_subclass_that_inherits_the_code_is_still_fused(rng):
     class Named(keras.losses.SparseCategoricalCrossentropy):  # only its defaults differ
         def __init__(self, **kwargs):

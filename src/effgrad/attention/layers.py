@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from effgrad import _compat
+from effgrad import _compat, _proof
 from effgrad.attention import kernel
 
 __all__ = ["METHODS", "Job", "family_of", "class_reason", "job", "in_training", "output"]
@@ -83,33 +83,9 @@ def family_of(layer) -> tuple[str, type] | None:
 
 
 def class_reason(layer, family: str, known: type) -> str | None:
-    """Why ``layer``'s computation is not proven to be what the kernel reproduces (None: it is).
-
-    Each method the family's computation runs must be the library's own code (a function defined in
-    keras or keras_hub on ``known`` or a base of it), reached unchanged: not overridden by a subclass,
-    not replaced on the class by someone's patch, not set on the instance (effgrad's own hook aside).
-    """
-    hook = _compat.model_state(layer).get("attention_hook")
-    names = [name for name in METHODS[family] if hasattr(known, name)]
-    overridden = [name for name in names if getattr(type(layer), name, None) is not getattr(known, name)]
-    patched = [
-        name
-        for name in names
-        if vars(layer).get(name, hook) is not hook or not _library_code(getattr(known, name), known, name)
-    ]
-    if overridden:
-        return f"{type(layer).__name__} overrides {', '.join(overridden)} of {known.__name__}"
-    if patched:
-        return f"{', '.join(patched)} of this {known.__name__} is not the library's own code (patched)"
-    return None
-
-
-def _library_code(fn, known: type, name: str) -> bool:
-    """Whether ``fn`` is ``name`` as keras or keras_hub defines it on ``known`` or one of its bases."""
-    fn = getattr(fn, "__func__", fn)
-    owner, _, method = (getattr(fn, "__qualname__", "") or "").rpartition(".")
-    library = (getattr(fn, "__module__", "") or "").split(".")[0] in ("keras", "keras_hub")
-    return library and method == name and owner in {c.__qualname__ for c in known.__mro__}
+    """Why ``layer`` does not run ``known``'s own attention code (None: it does; see :mod:`effgrad._proof`)."""
+    methods = tuple(name for name in METHODS[family] if hasattr(known, name))
+    return _proof.stands_in_for(layer, known, methods, ours=(_compat.model_state(layer).get("attention_hook"),))
 
 
 def bind(layer, known: type, args, kwargs) -> dict:
