@@ -185,6 +185,29 @@ def test_a_checkpointed_lm_fuses_its_loss_and_recomputes_its_backbone(rng, monke
     assert_variables_close(ours.trainable_variables, plain.trainable_variables, rtol=1e-5, atol=1e-5)
 
 
+def test_a_head_also_called_inside_the_model_fuses_and_equals_the_unfused_step(rng):
+    # Its kernel's gradient from the other call is the buffer the fused loss adds its own into.
+    x, y = rng.normal(size=(2, 24, 8)).astype("float32"), rng.integers(0, 300, (2, 24))
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((24, 8))
+        h = keras.layers.Dense(8, activation="tanh")(inputs)
+        head = keras.layers.Dense(300)
+        z = keras.layers.Dense(8)(head(h))
+        return keras.Model(inputs, head(keras.layers.Add()([h, z])))
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    steps = [
+        effgrad.build_train_step(model(), loss, keras.optimizers.SGD(0.1), fused_loss=fused, fused_update=False)
+        for fused in (True, False)
+    ]
+    for step in steps:
+        step(x, y)
+    assert steps[0].fused_loss and not steps[1].fused_loss
+    assert_variables_close(steps[0].model.trainable_variables, steps[1].model.trainable_variables, atol=1e-6)
+
+
 def test_mixed_float16_fused_loss_is_computed_in_float32(rng):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

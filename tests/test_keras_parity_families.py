@@ -162,6 +162,35 @@ def _dense_gradient_adam_reference(tokens, labels, batch_size=12):
     return model
 
 
+@pytest.mark.parametrize("fused_update", [True, False], ids=["fused", "gathered"])
+def test_an_optimizers_loss_scale_factor_gives_keras_update(rng, fused_update):
+    # Keras multiplies the loss by it and its optimizer's apply divides the gradients by it.
+    x, y = rng.normal(size=(24, 5)).astype("float32"), rng.normal(size=(24, 3)).astype("float32")
+    compile_kwargs = lambda: {"optimizer": keras.optimizers.SGD(0.05, loss_scale_factor=128.0), "loss": "mse"}  # noqa: E731
+    stock, ours, h_stock, h_ours = _fit_both(_mlp, compile_kwargs, x, y, fused_update=fused_update)
+    assert ours.effgrad_step.fused_update is fused_update
+    _assert_same_training(stock, ours, h_stock, h_ours)
+
+
+def _table_looked_up_twice(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), dtype="int32")
+    table = keras.layers.Embedding(50, 8)
+    h = keras.layers.Add()([table(inputs), table(inputs + 1)])
+    return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+@pytest.mark.parametrize("fused_update", [True, False], ids=["fused", "gathered"])
+def test_a_table_looked_up_twice_gets_keras_update_with_adam(rng, fused_update):
+    # Adam's per-row state sees each lookup's rows as Keras hands them over, not their dense sum.
+    x, y = rng.integers(0, 40, (24, 6)).astype("int32"), rng.integers(0, 4, 24)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    compile_kwargs = lambda: {"optimizer": keras.optimizers.Adam(0.01), "loss": loss}  # noqa: E731
+    stock, ours, h_stock, h_ours = _fit_both(_table_looked_up_twice, compile_kwargs, x, y, fused_update=fused_update)
+    assert ours.effgrad_step.fused_update is fused_update
+    _assert_same_training(stock, ours, h_stock, h_ours)
+
+
 def test_embedding_with_repeated_ids_gets_keras_update_at_one_micro_batch(rng):
     """One micro-batch on one device: the embedding's IndexedSlices reach the optimizer as in stock fit
     (Keras's Adam squares each duplicate row apart), over several steps: each optimizer, mode and update

@@ -241,7 +241,7 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
         grads = [final.gradient(j, clip) for j in range(len(second))]
         known = len(branch.get_operations())
         with _compat.gradients_already_reduced(train_step.optimizer), inplace.compiled(train_step.optimizer):
-            train_step.optimizer.apply(grads, trained)
+            update.apply_gradients(train_step.optimizer, grads, trained)
         sizes = [math.prod(v.shape) for v in trained]
         overlap = getattr(train_step.optimizer, "updates_in_flight", 1)
         pace(makers, grads, branch.get_operations()[known:], sizes, overlap)

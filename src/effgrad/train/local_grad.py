@@ -180,6 +180,13 @@ def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
         return None
     if len(parts) == 1:  # an embedding's one lookup stays IndexedSlices, as Keras hands it to the optimizer
         return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):  # several lookups: their rows together, as a tape
+        # sums them (an optimizer with per-row state, Adam's, sees each lookup's rows, not their dense sum)
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0),
+            parts[0].dense_shape,
+        )
     parts = accumulate.dense(parts)
     return tf.add_n([tf.cast(p, parts[0].dtype) for p in parts])
 

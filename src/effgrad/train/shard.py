@@ -322,7 +322,7 @@ class Shards:
                      for v, t, layout in zip(variables, targets, layouts) if layout is not None]  # fmt: skip
             with tf.control_dependencies(fresh):
                 grads = [final.gradient(j, clip) for j in range(len(final.raw))]
-                optimizer.apply(grads, targets)
+                update.apply_gradients(optimizer, grads, targets)
             for (variable, _), value in zip(commit, commit_values):
                 variable.assign(value)
 

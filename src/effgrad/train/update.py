@@ -31,7 +31,7 @@ import tensorflow as tf
 from effgrad import _compat, distribute
 from effgrad.train import accumulate, inplace
 
-__all__ = ["Update", "Noise", "squared_norm", "regularization", "apply_or_skip", "warn_unconnected"]
+__all__ = ["Update", "Noise", "squared_norm", "regularization", "apply_gradients", "apply_or_skip", "warn_unconnected"]
 
 
 def squared_norm(tensors) -> tf.Tensor:
@@ -58,6 +58,19 @@ def _scaled(g, factor):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
     return g * factor
+
+
+def apply_gradients(optimizer, grads, variables) -> None:
+    """``optimizer.apply(grads, variables)`` with ``grads`` in the units Keras's ``apply`` expects.
+
+    With ``loss_scale_factor`` set, Keras's train step multiplies the loss by it and ``apply``
+    divides the gradients by it; effgrad's gradients are the loss's own (its loss scaling is undone
+    before here), so they are handed over multiplied by it: the same update as Keras's.
+    """
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    if factor is not None:
+        grads = [None if g is None else _scaled(g, tf.cast(factor, g.dtype)) for g in grads]
+    optimizer.apply(grads, variables)
 
 
 def regularization(variables) -> tuple[tf.Tensor, dict[int, tf.Tensor]]:
@@ -200,7 +213,7 @@ def apply_or_skip(
                     writes.append(acc.assign(final.gradient(j, clip), read_value=False))
             with tf.control_dependencies(writes):
                 grads = [accumulate.read(acc, v.shape) for acc, v in zip(accumulators, variables)]
-        optimizer.apply(grads, variables)
+        apply_gradients(optimizer, grads, variables)
         for (variable, _), value in zip(commit, commit_values):
             variable.assign(value)
 

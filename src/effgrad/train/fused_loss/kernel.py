@@ -465,4 +465,6 @@ def _part(gradient, start, width: int, class_axis: int, like):
     gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
     rank = gradient.shape.rank
     begin = tf.stack([start if a == class_axis else 0 for a in range(rank)])
-    return tf.slice(gradient, begin, [width if a == class_axis else -1 for a in range(rank)])
+    part = tf.slice(gradient, begin, [width if a == class_axis else -1 for a in range(rank)])
+    part.set_shape(like.shape)  # a tensor `start` leaves the other axes unknown: the loop's buffer needs them
+    return part
