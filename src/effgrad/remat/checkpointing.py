@@ -179,7 +179,8 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 # incoming gradients also keeps the recompute from running
                 # early; the other branch only runs when they are inf/NaN and
                 # returns NaN, so loss scaling still sees the overflow.
-                incoming = [tf.reduce_all(tf.math.is_finite(g)) for g in output_grads if g is not None]
+                floats = [g for g in output_grads if g is not None and _differentiable(g)]  # not a mask's
+                incoming = [tf.reduce_all(tf.math.is_finite(g)) for g in floats]
                 grads = tf.cond(
                     tf.reduce_all(incoming),
                     recompute_and_differentiate,
