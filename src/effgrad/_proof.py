@@ -4,9 +4,10 @@ A fused loss, a closed-form per-example norm, a routed attention or an
 update inside backward reimplements the maths of one Keras (or keras_hub)
 class. It may replace an object only when the object runs that class's own
 code: the exact class, or a subclass that inherits every method the
-reimplementation stands for unchanged (and no instance attribute shadows
-one, and no patch replaced one on the class). Anything else, a subclass with its own ``call`` above all, keeps its
-own path; the caller falls back and says why with the sentence returned here.
+reimplementation stands for unchanged (no instance attribute shadows one, and
+no patch replaced one on the class). Anything else, a subclass with its own
+``call`` above all, keeps its own path; the caller falls back and says why
+with the sentence returned here.
 
 Example:
     >>> class Half(keras.layers.Dense):
