@@ -50,6 +50,18 @@ for _name in ("_add_control_input", "_set_attr"):
         raise _missing(f"tf.Operation.{_name}", AttributeError("not found"))
 
 
+def _barrier_gradient(op, *grads):
+    """The barrier is the identity on each input: a second-order gradient (a gradient penalty through a
+    checkpointed block, whose backprop holds one) passes straight through it."""
+    return list(grads)
+
+
+try:  # TensorFlow 2.21 registers none; a later one that does keeps its own
+    tf.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
+except KeyError:  # pragma: no cover
+    pass
+
+
 def add_control_input(op, control) -> None:
     """Makes graph op ``op`` (already made) wait for ``control``: backprop paced by the updates it feeds."""
     op._add_control_input(control)
