@@ -139,6 +139,21 @@ def test_keras_masks_cross_segments(rng):
     assert sum(isinstance(layer, effgrad.Checkpoint) for layer in checkpointed.layers) == 3
 
 
+def test_a_float32_layer_under_mixed_float16_reads_its_input_uncast():
+    # 1e5 overflows float16: only the float32 layers may see it, as in the plain model.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((4,))
+        h = keras.layers.Rescaling(1e-3, dtype="float32")(inputs)
+        for _ in range(3):
+            h = keras.layers.Add()([h, keras.layers.Dense(4, activation="tanh")(h)])
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(h))
+        x = np.full((2, 4), 1e5, "float32")
+        np.testing.assert_array_equal(effgrad.checkpoint_model(model, segments=2)(x), model(x))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_a_gradient_penalty_through_the_segments_equals_the_plain_models(rng):
     # Second order: the recompute's backprop (and its barrier) is differentiated again.
     model = residual_net(dropout=0.0)

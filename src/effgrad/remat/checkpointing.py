@@ -249,6 +249,9 @@ class Checkpoint(keras.layers.Wrapper):
                 f"effgrad.Checkpoint wraps a keras.Layer or keras.Model, got {type(layer).__name__}; "
                 "for a plain function use effgrad.checkpoint(fn)."
             )
+        # The inputs as they come: the wrapped layers cast what they read themselves (a float32 layer
+        # under mixed_float16 reads float32; casting here to the global policy's float16 would lose it).
+        kwargs.setdefault("autocast", False)
         super().__init__(layer, **kwargs)
 
     def build(self, input_shape=None):
