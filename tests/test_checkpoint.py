@@ -390,3 +390,32 @@ def test_a_block_drawing_from_stateful_tf_random_ops_is_not_checkpointed_and_say
     with pytest.warns(UserWarning, match="stateful.*RandomUniform"):
         gradient, expected = gradient_and_expected(tf.random.normal([3, 4]))
     np.testing.assert_allclose(gradient.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _NoiseInALoop(keras.layers.Layer):
+    """Draws its noise inside tf.map_fn (a while loop's body): the graph's top level shows no random op."""
+
+    def call(self, x, training=None):
+        return tf.map_fn(lambda row: row + tf.random.uniform(tf.shape(row)), x) if training else x
+
+
+def test_stateful_random_ops_inside_a_loop_body_are_found_too():
+    block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), _NoiseInALoop(), keras.layers.Dense(2)])
+    wrapped = effgrad.Checkpoint(block)
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(wrapped(x, training=True) ** 2)
+        return tape.gradient(loss, block.trainable_variables)
+
+    with pytest.warns(UserWarning, match="stateful.*RandomUniform"):
+        gradients(tf.random.normal([3, 4]))
+
+
+def test_a_block_adding_losses_is_refused_not_trained_without_them():
+    # An activity regularizer's loss made with the tapes paused would reach Keras's loss with no gradient.
+    block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activity_regularizer="l2")])
+    with pytest.raises(ValueError, match="adds losses"):
+        with tf.GradientTape():
+            effgrad.Checkpoint(block)(tf.ones([2, 4]), training=True)

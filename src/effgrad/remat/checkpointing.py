@@ -79,6 +79,30 @@ def _is_tensor(value) -> bool:
     return tf.is_tensor(value) or isinstance(value, tf.Variable)
 
 
+def _random_ops(graph, ops) -> set[str]:
+    """The stateful random op types among ``ops`` and inside the functions they call (a while loop's
+    body, ``tf.map_fn``'s, a nested ``tf.function``), read from ``graph``'s function library."""
+
+    def called(nodes) -> set[str]:
+        names = (f for node in nodes for a in node.attr.values() for f in [a.func.name, *(g.name for g in a.list.func)])
+        return {name for name in names if name}
+
+    found = {op.type for op in ops if op.type in _STATEFUL_RANDOM}
+    pending = called(op.node_def for op in ops)
+    if pending:
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        seen: set[str] = set()
+        while pending:
+            name = pending.pop()
+            if name in seen or name not in library:
+                continue
+            seen.add(name)
+            nodes = library[name].node_def
+            found |= {node.op for node in nodes if node.op in _STATEFUL_RANDOM}
+            pending |= called(nodes)
+    return found
+
+
 def _differentiable(t) -> bool:
     return t.dtype.is_floating or t.dtype.is_complex
 
@@ -109,7 +133,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
     @tf.custom_gradient
     def forward(*tensors):
-        scope = StateScope()
+        scope = StateScope(collect_losses=True)
         created = []
 
         def creator(next_creator, **kwargs):
@@ -124,9 +148,16 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
         with tf.variable_creator_scope(creator), scope, _compat.stop_recording():  # keep no activation
             outputs = call(tensors)
         if graph is not None:
-            drawn = sorted({op.type for op in graph.get_operations()[known:] if op.type in _STATEFUL_RANDOM})
+            drawn = sorted(_random_ops(graph, graph.get_operations()[known:]))
             if drawn:
                 raise _NotReplayable(", ".join(drawn))
+        if scope.losses:
+            # Computed with the tapes paused, they would reach Keras's loss with no gradient.
+            raise ValueError(
+                f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'the block'))} adds losses in "
+                "its call (an activity_regularizer or add_loss), which a checkpointed block cannot hand on with "
+                "their gradients: checkpoint the layers around it, or make the term part of the loss."
+            )
         if created:
             # Such a layer computed this call from one draw of its initializer
             # and stored another, and the variables were never watched: the
