@@ -419,3 +419,28 @@ def test_a_block_adding_losses_is_refused_not_trained_without_them():
     with pytest.raises(ValueError, match="adds losses"):
         with tf.GradientTape():
             effgrad.Checkpoint(block)(tf.ones([2, 4]), training=True)
+
+
+class _DropPath(keras.layers.Layer):
+    """Stochastic depth as Keras's ConvNeXt draws it: keras.random with no seed (Keras's global generator)."""
+
+    def call(self, x, training=None):
+        return x * keras.ops.floor(0.7 + keras.random.uniform((keras.ops.shape(x)[0], 1))) / 0.7 if training else x
+
+
+def test_a_block_drawing_from_keras_global_seed_generator_before_it_exists_equals_the_plain_model():
+    def make():
+        keras.utils.set_random_seed(0)  # also forgets the global generator: the first draw makes it
+        inputs = keras.Input((8,))
+        h = inputs
+        for _ in range(4):
+            h = keras.layers.Add()([h, _DropPath()(keras.layers.Dense(8)(h))])
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+    x, y = np.ones((8, 8), "float32"), np.zeros((8, 1), "float32")
+    losses = []
+    for wrap in (lambda m: m, lambda m: effgrad.checkpoint_model(m, segments=2)):
+        model = wrap(make())
+        model.compile(keras.optimizers.SGD(1e-3), "mse")  # Keras's own step (effgrad's makes the generator first)
+        losses.append(model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)

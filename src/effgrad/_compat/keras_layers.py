@@ -25,6 +25,7 @@ __all__ = [
     "hook_method",
     "inbound_nodes",
     "intercepted_call",
+    "is_global_seed_state",
     "model_state",
     "override_method",
     "own_variables",
@@ -282,6 +283,13 @@ def restore_method(obj, name: str, previous) -> None:
         obj.__dict__.pop(name, None)
     else:
         object.__setattr__(obj, name, previous)
+
+
+def is_global_seed_state(variable) -> bool:
+    """Whether ``variable`` backs the state of Keras's global ``SeedGenerator`` (what ``keras.random``
+    draws with when given no seed; Keras makes it at the first such draw)."""
+    generator = _global_state.get_global_attribute("global_seed_generator")
+    return generator is not None and generator.state.value is variable
 
 
 def call_context_training():

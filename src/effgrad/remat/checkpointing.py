@@ -158,6 +158,9 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
                 "its call (an activity_regularizer or add_loss), which a checkpointed block cannot hand on with "
                 "their gradients: checkpoint the layers around it, or make the term part of the loss."
             )
+        # Keras's global SeedGenerator, made at its first unseeded keras.random draw, holds no weight: its
+        # state's draw and advance are replayed like any other state's.
+        created = [v for v in created if not _compat.is_global_seed_state(v)]
         if created:
             # Such a layer computed this call from one draw of its initializer
             # and stored another, and the variables were never watched: the
