@@ -18,6 +18,7 @@ __all__ = [
     "current_device",
     "dynamic_update_slice",
     "empty_variable",
+    "function_def",
     "gradient_function",
     "in_xla_context",
     "loops_one_iteration_at_a_time",
@@ -60,6 +61,17 @@ try:  # TensorFlow 2.21 registers none; a later one that does keeps its own
     tf.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
 except KeyError:  # pragma: no cover
     pass
+
+
+def function_def(graph, name: str):
+    """The ``FunctionDef`` of the function ``name`` that ``graph`` (or a graph enclosing it) holds, else
+    None: what a while loop's body or a nested ``tf.function`` runs, without serializing the graph."""
+    while graph is not None:
+        function = graph._get_function(name)
+        if function is not None:
+            return function.definition
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 def add_control_input(op, control) -> None:

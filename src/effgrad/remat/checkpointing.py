@@ -81,25 +81,21 @@ def _is_tensor(value) -> bool:
 
 def _random_ops(graph, ops) -> set[str]:
     """The stateful random op types among ``ops`` and inside the functions they call (a while loop's
-    body, ``tf.map_fn``'s, a nested ``tf.function``), read from ``graph``'s function library."""
+    body, ``tf.map_fn``'s, a nested ``tf.function``), as ``graph`` holds them."""
 
     def called(nodes) -> set[str]:
         names = (f for node in nodes for a in node.attr.values() for f in [a.func.name, *(g.name for g in a.list.func)])
         return {name for name in names if name}
 
     found = {op.type for op in ops if op.type in _STATEFUL_RANDOM}
-    pending = called(op.node_def for op in ops)
-    if pending:
-        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
-        seen: set[str] = set()
-        while pending:
-            name = pending.pop()
-            if name in seen or name not in library:
-                continue
-            seen.add(name)
-            nodes = library[name].node_def
-            found |= {node.op for node in nodes if node.op in _STATEFUL_RANDOM}
-            pending |= called(nodes)
+    pending, seen = called(op.node_def for op in ops), set()
+    while pending:
+        name = pending.pop()
+        definition = None if name in seen else _compat.function_def(graph, name)
+        seen.add(name)
+        if definition is not None:
+            found |= {node.op for node in definition.node_def if node.op in _STATEFUL_RANDOM}
+            pending |= called(definition.node_def)
     return found
 
 
