@@ -351,6 +351,32 @@ def test_resume_refuses_other_weights_other_target_and_other_rows(model, tmp_pat
         effgrad.saliency(model, x, batch_size=8, out=path2, resume=True, progress=False, target=lambda y: y[:, 1])
 
 
+_CLASS = 0  # a global a callable target reads
+
+
+def test_resume_refuses_the_same_weights_in_another_model_and_targets_reading_other_values(model, tmp_path, x):
+    global _CLASS
+    path = _interrupted(tmp_path, model, x)
+    other = _model()
+    other.layers[0].activation = keras.activations.tanh  # the same weights, another function
+    other.set_weights(model.get_weights())
+    with pytest.raises(ValueError, match="model"):
+        effgrad.saliency(other, x, batch_size=8, out=path, resume=True, progress=False)
+    # NumPy scalars captured, and globals read, are part of a callable target
+    path = _interrupted(tmp_path / "n", model, x, target=(lambda c: lambda y: y[:, c])(np.int64(0)))
+    with pytest.raises(ValueError, match="target"):
+        target = (lambda c: lambda y: y[:, c])(np.int64(1))
+        effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False, target=target)
+    path = _interrupted(tmp_path / "g", model, x, target=lambda y: y[:, _CLASS])
+    _CLASS = 1
+    try:
+        with pytest.raises(ValueError, match="target"):
+            target = lambda y: y[:, _CLASS]  # noqa: E731
+            effgrad.saliency(model, x, batch_size=8, out=path, resume=True, progress=False, target=target)
+    finally:
+        _CLASS = 0
+
+
 def test_shuffling_dataset_cannot_corrupt_a_resumed_file(model, tmp_path, x):
     ds = tf.data.Dataset.from_tensor_slices(x).shuffle(len(x), seed=None, reshuffle_each_iteration=True).batch(8)
     first_pass = np.concatenate(list(ds.as_numpy_iterator()))  # the order the interrupted run saw

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from effgrad.explain.engine import check_inputs, stream
 from effgrad.explain.inputs import leaf_names
-from effgrad.explain.plan import SaliencyPlan, prepare, weights_checksum
+from effgrad.explain.plan import SaliencyPlan, model_checksum, prepare
 from effgrad.explain.sinks import ArraySink, GrowingArraySink, NpyFileSink, Sink, SinkGroup
 
 __all__ = ["saliency", "open_sink", "tensor_outputs"]
@@ -26,7 +26,7 @@ def open_sink(out, plan: SaliencyPlan, resume: bool = False) -> Sink:
     outs = tensor_outputs(out, plan.names)
     if resume and not all(_is_path(o) for o in outs):
         raise ValueError("resume=True continues a file: pass out='maps.npy' (the file the interrupted run wrote).")
-    checksum = weights_checksum(plan.job.model) if any(_is_path(o) for o in outs) else None
+    checksum = model_checksum(plan.job.model) if any(_is_path(o) for o in outs) else None
     sinks = []
     try:
         for name, shape, o in zip(plan.names, plan.map_shapes, outs):

@@ -14,6 +14,7 @@ import os
 import re
 import zlib
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -24,7 +25,7 @@ from effgrad.explain import wrt as wrt_lib
 from effgrad.explain.inputs import Source, as_source, leaf_names, spec_of
 from effgrad.explain.job import SaliencyJob, cached_job
 
-__all__ = ["SaliencyPlan", "prepare", "weights_checksum"]
+__all__ = ["SaliencyPlan", "prepare", "model_checksum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +185,19 @@ def _from_model(err: BaseException) -> bool:
     return tb is not None and not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
-def weights_checksum(model) -> str:
-    """CRC-32 of every weight's values: a resume with other weights is refused."""
+def model_checksum(model) -> str:
+    """CRC-32 of the model's layers (class and config) and every weight's values: a resume with another
+    model, or the same weights in another architecture (another activation), is refused."""
     crc = 0
+    for layer in _compat.flatten_layers(model):
+        if isinstance(layer, keras.Model):  # its layers stand for it (its config names them)
+            continue
+        try:  # without the name: a model built again in the same process has other layer names
+            config = {k: v for k, v in layer.get_config().items() if k != "name"}
+            config = json.dumps(config, sort_keys=True, default=repr)
+        except Exception:  # a layer without a serializable config: its class stands for it
+            config = ""
+        crc = zlib.crc32(f"{type(layer).__module__}.{type(layer).__qualname__}:{config}".encode(), crc)
     for weight in getattr(model, "weights", []):
         crc = zlib.crc32(np.ascontiguousarray(np.asarray(weight.numpy())), crc)
     return f"{crc:08x}"

@@ -239,7 +239,7 @@ class NpyFileSink:
             raise ValueError(
                 f"Cannot resume into {path}: it was started with a different configuration "
                 f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''}: 'model' is a checksum of "
-                "the weights, 'target' of the target). Use the original model and settings, or remove "
+                "the layers and weights, 'target' of the target). Use the original model and settings, or remove "
                 "the file to start over."
             )
         if path.exists() and self._layout_is_whole(committed, complete):

@@ -162,11 +162,24 @@ def score_function(forward, target: Target, indices, chosen: list | None = None)
 
 
 def _callable_checksum(fn) -> str:
-    """Name, bytecode and simple captured values of a callable target."""
+    """Name, bytecode and the values it reads: captured cells, defaults and the globals it names
+    (numbers, strings, NumPy scalars and arrays by value; anything else by its type)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return type(fn).__qualname__
+    names = getattr(fn, "__globals__", {})
     captured = [c.cell_contents for c in fn.__closure__ or ()] + list(fn.__defaults__ or ())
-    simple = [v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__ for v in captured]
-    data = code.co_code + repr((code.co_consts, code.co_names, simple)).encode()
+    captured += [names[name] for name in code.co_names if name in names]
+    data = code.co_code + repr((code.co_consts, code.co_names, [_value_key(v) for v in captured])).encode()
     return f"{fn.__qualname__}:{zlib.crc32(data):08x}"
+
+
+def _value_key(value):
+    """What of ``value`` a target's identity records."""
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, zlib.crc32(np.ascontiguousarray(value).tobytes()))
+    return type(value).__name__
