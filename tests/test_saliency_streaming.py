@@ -275,6 +275,11 @@ def test_bad_inputs_fail_before_any_work(model, tmp_path, x):
     with pytest.raises(FileExistsError, match="never overwrites"):
         effgrad.saliency(model, x, out=existing, progress=False)
     assert existing.read_bytes() == b"precious"
+    lock = tmp_path / "fresh.npy.lock"  # the user's own file that happens to bear the lock's name
+    lock.write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="not effgrad's lock"):
+        effgrad.saliency(model, x, out=tmp_path / "fresh.npy", progress=False)
+    assert lock.read_bytes() == b"mine"
 
 
 def test_progress_is_a_keras_progbar(model, capsys, x, monkeypatch):

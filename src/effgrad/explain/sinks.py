@@ -476,10 +476,14 @@ class SinkGroup:
         return self.pack([s.result for s in self.sinks])
 
 
+_LOCK_MARK = b"effgrad output lock\n"  # what effgrad's lock files hold: another file of that name is not one
+
+
 class _OutputLock:
     """An exclusive ``flock`` on ``PATH.lock``: one writer per output file.
 
-    The lock file is removed on release; a second process that opened it just
+    The lock file holds ``_LOCK_MARK`` (a file of that name holding anything else is the user's, and
+    refused) and is removed on release; a second process that opened it just
     before then would lock a deleted file, so each acquisition checks that the
     locked file is still the one at the path (the classic unlink race).
     """
@@ -501,11 +505,18 @@ class _OutputLock:
                     "finish, or write to another path.",
                 ) from None
             try:
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-                    self.fd = fd
-                    return
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
-                pass
+                same = False
+            if same:
+                if os.pread(fd, 64, 0) not in (b"", _LOCK_MARK):  # someone's own file of that name
+                    os.close(fd)
+                    raise FileExistsError(
+                        f"{self.path} exists and is not effgrad's lock file: move it, or write to another path."
+                    )
+                os.pwrite(fd, _LOCK_MARK, 0)
+                self.fd = fd
+                return
             os.close(fd)  # we locked a file its owner had just removed: try again
 
     def release(self) -> None:
