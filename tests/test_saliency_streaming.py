@@ -275,6 +275,9 @@ def test_bad_inputs_fail_before_any_work(model, tmp_path, x):
     with pytest.raises(FileExistsError, match="never overwrites"):
         effgrad.saliency(model, x, out=existing, progress=False)
     assert existing.read_bytes() == b"precious"
+    with pytest.raises(ValueError, match="nothing to explain") as err:
+        effgrad.saliency(model, x[:0], progress=False)
+    assert "\n" not in str(err.value)
     lock = tmp_path / "fresh.npy.lock"  # the user's own file that happens to bear the lock's name
     lock.write_bytes(b"mine")
     with pytest.raises(FileExistsError, match="not effgrad's lock"):

@@ -189,6 +189,8 @@ def as_source(inputs, batch_size: int, num_examples: int | None = None, *, sever
 def _array_source(inputs, batch_size: int, num_examples: int | None) -> Source:
     spec = _spec(inputs, "inputs")
     n = _rows(inputs, "inputs")
+    if n == 0:
+        raise ValueError("inputs hold no examples (0 rows): there is nothing to explain.")
     if num_examples is not None and num_examples != n:
         raise ValueError(
             f"num_examples={num_examples} but the inputs hold {n} examples; num_examples is only for "
