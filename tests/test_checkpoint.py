@@ -416,9 +416,14 @@ def test_stateful_random_ops_inside_a_loop_body_are_found_too():
 def test_a_block_adding_losses_is_refused_not_trained_without_them():
     # An activity regularizer's loss made with the tapes paused would reach Keras's loss with no gradient.
     block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activity_regularizer="l2")])
+    wrapped = effgrad.Checkpoint(block)
     with pytest.raises(ValueError, match="adds losses"):
         with tf.GradientTape():
-            effgrad.Checkpoint(block)(tf.ones([2, 4]), training=True)
+            wrapped(tf.ones([2, 4]), training=True)
+    # Inference needs no gradient: the losses are handed on as the plain block adds them (predict works).
+    wrapped(tf.ones([2, 4]), training=False)
+    expected = [float(v) for v in (block(tf.ones([2, 4]), training=False), block.losses)[1]]
+    assert [float(v) for v in wrapped.losses] == pytest.approx(expected) and expected
 
 
 class _DropPath(keras.layers.Layer):

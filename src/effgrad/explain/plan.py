@@ -185,6 +185,15 @@ def _from_model(err: BaseException) -> bool:
     return tb is not None and not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
+def _unnamed(config):
+    """``config`` without layer names and wrapped layers' configs, at any depth."""
+    if isinstance(config, dict):
+        return {k: _unnamed(v) for k, v in config.items() if k not in ("name", "layer", "layers")}
+    if isinstance(config, (list, tuple)):
+        return [_unnamed(v) for v in config]
+    return config
+
+
 def model_checksum(model) -> str:
     """CRC-32 of the model's layers (class and config) and every weight's values: a resume with another
     model, or the same weights in another architecture (another activation), is refused."""
@@ -192,9 +201,9 @@ def model_checksum(model) -> str:
     for layer in _compat.flatten_layers(model):
         if isinstance(layer, keras.Model):  # its layers stand for it (its config names them)
             continue
-        try:  # without the name: a model built again in the same process has other layer names
-            config = {k: v for k, v in layer.get_config().items() if k != "name"}
-            config = json.dumps(config, sort_keys=True, default=repr)
+        try:  # without names (a model built again in the same process has others) and wrapped layers
+            # (flatten_layers visits them); an object JSON cannot hold by its type (a repr may hold an address)
+            config = json.dumps(_unnamed(layer.get_config()), sort_keys=True, default=lambda v: type(v).__qualname__)
         except Exception:  # a layer without a serializable config: its class stands for it
             config = ""
         crc = zlib.crc32(f"{type(layer).__module__}.{type(layer).__qualname__}:{config}".encode(), crc)

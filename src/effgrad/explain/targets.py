@@ -170,8 +170,15 @@ def _callable_checksum(fn) -> str:
     names = getattr(fn, "__globals__", {})
     captured = [c.cell_contents for c in fn.__closure__ or ()] + list(fn.__defaults__ or ())
     captured += [names[name] for name in code.co_names if name in names]
-    data = code.co_code + repr((code.co_consts, code.co_names, [_value_key(v) for v in captured])).encode()
+    data = repr((_code_key(code), [_value_key(v) for v in captured])).encode()
     return f"{fn.__qualname__}:{zlib.crc32(data):08x}"
+
+
+def _code_key(code):
+    """Bytecode, names and constants, nested functions' code included (a code object's repr holds its
+    address, which differs from process to process)."""
+    consts = tuple(_code_key(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
+    return (code.co_code, code.co_names, consts)
 
 
 def _value_key(value):

@@ -214,9 +214,8 @@ class _Hook:
     @tf.autograph.experimental.do_not_convert
     def __call__(self, x, *args, **kwargs):
         block = self.block()
-        if block is None or args or kwargs or not _compat.call_context_training():
+        if block is None or args or kwargs or not tf.is_tensor(x) or not _compat.call_context_training():
             return self.original(x, *args, **kwargs)
-        x = tf.convert_to_tensor(x)
         key = (tuple(x.shape), x.dtype)
         if key not in self.analyses:  # not under the lock: tracing waits for no other replica's thread
             self.analyses.setdefault(key, analyse(self.original, x))

@@ -147,7 +147,10 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
             drawn = sorted(_random_ops(graph, graph.get_operations()[known:]))
             if drawn:
                 raise _NotReplayable(", ".join(drawn))
-        if scope.losses:
+        if scope.losses and not kwargs.get("training", _compat.call_context_training()):
+            if isinstance(fn, keras.layers.Layer):  # inference: handed on as the plain call adds them
+                fn.add_loss(scope.losses)
+        elif scope.losses:
             # Computed with the tapes paused, they would reach Keras's loss with no gradient.
             raise ValueError(
                 f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'the block'))} adds losses in "

@@ -69,7 +69,7 @@ def apply_gradients(optimizer, grads, variables) -> None:
     """
     factor = getattr(optimizer, "loss_scale_factor", None)
     if factor is not None:
-        grads = [None if g is None else _scaled(g, tf.cast(factor, g.dtype)) for g in grads]
+        grads = [None if g is None else _scaled(g, factor) for g in grads]
     optimizer.apply(grads, variables)
 
 
