@@ -359,6 +359,22 @@ def test_resume_refuses_other_weights_other_target_and_other_rows(model, tmp_pat
         effgrad.saliency(model, x, batch_size=8, out=path2, resume=True, progress=False, target=lambda y: y[:, 1])
 
 
+def test_resume_accepts_the_same_model_built_again(tmp_path, x):
+    # Built again in the same process its layers get other names, wrapped layers included.
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 1))
+        h = keras.layers.Flatten()(keras.layers.TimeDistributed(keras.layers.Dense(2))(inputs))
+        return keras.Model(inputs, effgrad.Checkpoint(keras.layers.Dense(3))(h))
+
+    first = make()
+    path = _interrupted(tmp_path, first, x)
+    again = make()
+    again.set_weights(first.get_weights())
+    effgrad.saliency(again, x, batch_size=8, out=path, resume=True, progress=False)
+    np.testing.assert_allclose(np.load(path), effgrad.saliency(again, x, batch_size=8, progress=False), atol=1e-6)
+
+
 _CLASS = 0  # a global a callable target reads
 
 
