@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
+from effgrad._decisions import LayerDecisions
 from effgrad.attention import layers as known
 
 __all__ = ["AttentionRouting", "efficient_attention", "check_mode", "check_model"]
@@ -41,36 +42,20 @@ def check_mode(mode) -> bool | str:
     return mode
 
 
-class AttentionRouting:
+class AttentionRouting(LayerDecisions):
     """What one routing block decided, per attention layer (``decisions``: name -> (routed, why)).
 
     ``applied``: whether any layer computed its attention with the kernel;
     ``reason``: one line saying which did and why, which did not and why.
     """
 
+    OFF = "attention=False"
+    NONE = "no attention layer effgrad knows was called in training"
+    WORDS = ("effgrad.attention", "own path")
+
     def __init__(self, mode):
-        self.mode = mode
-        self.decisions: dict[str, tuple[bool, str]] = {}
+        super().__init__(mode)
         self.refused: list[tuple[object, str]] = []  # attention=True: (layer, why), raised as the block closes
-
-    @property
-    def applied(self) -> bool:
-        return any(routed for routed, _ in self.decisions.values())
-
-    @property
-    def reason(self) -> str:
-        if self.mode is False:
-            return "attention=False"
-        if not self.decisions:
-            return "no attention layer effgrad knows was called in training"
-        groups: dict[tuple[bool, str], list[str]] = {}
-        for name, decision in self.decisions.items():
-            groups.setdefault(decision, []).append(name)
-        parts = []
-        for (routed, why), names in groups.items():
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            parts.append(f"{'effgrad.attention' if routed else 'own path'} in {shown}: {why}")
-        return "; ".join(parts)
 
     def record(self, layer, routed: bool, why: str) -> None:
         with _LOCK:

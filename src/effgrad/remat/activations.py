@@ -52,6 +52,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
+from effgrad._decisions import LayerDecisions
 from effgrad.remat.checkpointing import checkpoint
 
 __all__ = ["ActivationRecompute", "recompute_activations", "check_mode", "analyse"]
@@ -145,34 +146,15 @@ def _eligible(layer) -> bool:
     )
 
 
-class ActivationRecompute:
+class ActivationRecompute(LayerDecisions):
     """What one block decided, per layer (``decisions``: name -> (recomputed, why)).
 
     ``applied``: whether any activation was recomputed; ``reason``: one line.
     """
 
-    def __init__(self, mode):
-        self.mode = mode
-        self.decisions: dict[str, tuple[bool, str]] = {}
-
-    @property
-    def applied(self) -> bool:
-        return any(done for done, _ in self.decisions.values())
-
-    @property
-    def reason(self) -> str:
-        if self.mode is False:
-            return "recompute_activations=False"
-        if not self.decisions:
-            return "no layer ending with an activation effgrad can recompute was called in training"
-        groups: dict[tuple[bool, str], list[str]] = {}
-        for name, decision in self.decisions.items():
-            groups.setdefault(decision, []).append(name)
-        parts = []
-        for (done, why), names in groups.items():
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            parts.append(f"{'recomputed' if done else 'kept'} in {shown}: {why}")
-        return "; ".join(parts)
+    OFF = "recompute_activations=False"
+    NONE = "no layer ending with an activation effgrad can recompute was called in training"
+    WORDS = ("recomputed", "kept")
 
     def decide(self, layer, fn, analysis: tuple[int, str | None]) -> bool:
         name = getattr(fn, "__name__", type(fn).__name__)

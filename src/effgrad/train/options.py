@@ -13,7 +13,7 @@ import tensorflow as tf
 from effgrad import _checks
 from effgrad.train import objective
 
-__all__ = ["StepOptions", "PLANNER_OPTIONS"]
+__all__ = ["StepOptions", "PLANNER_OPTIONS", "OFF_UNDER_DP"]
 
 # Options of a planned step (micro_batches="auto"): effgrad.plan's, not the step's.
 PLANNER_OPTIONS = ("micro_batches", "memory_budget", "margin", "verbose")
@@ -25,6 +25,14 @@ def _positive_number(value, name: str, *, allow_zero: bool = False) -> float:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
     return float(value)
+
+
+# The automatic features DP-SGD turns off ("auto") or refuses (True), and why.
+OFF_UNDER_DP = {
+    "fused_update": "each example's gradient norm is needed before any update",
+    "fused_loss": "the per-example norms need the gradient of the logits",
+    "recompute_activations": "the per-example norms read each layer's own backprop",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +105,7 @@ class StepOptions:
         object.__setattr__(self, "noise_multiplier", noise)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
-        for name, why in (
-            ("fused_update", "each example's gradient norm is needed before any update"),
-            ("fused_loss", "the per-example norms need the gradient of the logits"),
-            ("recompute_activations", "the per-example norms read each layer's own backprop"),
-        ):
+        for name, why in OFF_UNDER_DP.items():
             if getattr(self, name) is True:
                 raise ValueError(f"{name}=True cannot be combined with per_example_clip: {why}.")
 

@@ -44,7 +44,7 @@ from effgrad.remat import activations
 from effgrad.train import accumulate, batches, flows, fused_loss, fused_update, noise_scale, shard, update
 from effgrad.train import loss_scale as loss_scale_lib
 from effgrad.train import objective as objective_lib
-from effgrad.train.options import StepOptions
+from effgrad.train.options import OFF_UNDER_DP, StepOptions
 
 __all__ = ["TrainStep"]
 
@@ -434,7 +434,7 @@ class TrainStep:
         self.attention, self.attention_reason = routing.applied, routing.reason
         self.recompute_activations, self.recompute_activations_reason = recomputed.applied, recomputed.reason
         if self.options.private:
-            self.recompute_activations_reason = "off under DP-SGD: the per-example norms read each layer's own backprop"
+            self.recompute_activations_reason = f"off under DP-SGD: {OFF_UNDER_DP['recompute_activations']}"
         return logs
 
     def _replica_step(self, x, y, sample_weight, shard, micro_batches) -> dict:
