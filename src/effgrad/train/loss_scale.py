@@ -25,6 +25,7 @@ loss scale under ``strategy.scope()`` when training with a
 from __future__ import annotations
 
 import math
+import warnings
 
 import tensorflow as tf
 
@@ -268,6 +269,34 @@ class DynamicLossScale(LossScale):
 
     def __repr__(self) -> str:
         return f"DynamicLossScale(scale={float(self._scale.numpy())!r}, growth_interval={self.growth_interval})"
+
+
+class CollapseWatch:
+    """Warns once when a dynamic scale sits at its floor and the last steps were all skipped.
+
+    Call :meth:`after_step` on the host after each step. It reads the scale's
+    state only every ``every``-th call (each read waits for the device).
+    """
+
+    def __init__(self, every: int = 10, streak: int = 10):
+        self.every, self.streak = every, streak
+        self.calls = 0
+        self.warned = False
+
+    def after_step(self, loss_scale: LossScale | None) -> None:
+        self.calls += 1
+        if self.warned or not isinstance(loss_scale, DynamicLossScale) or self.calls % self.every:
+            return
+        if int(loss_scale.overflow_streak) >= self.streak:
+            self.warned = True
+            warnings.warn(
+                f"effgrad: the loss scale sits at min_scale={loss_scale.min_scale} and the last "
+                f"{int(loss_scale.overflow_streak)} steps all had inf/NaN gradients, so every one "
+                "was skipped. Likely causes: the loss itself is inf/NaN (bad data, log(0), a division "
+                "by zero) or training diverged (learning rate too high). Loss scaling cannot fix either.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 def computes_in_float16(model) -> bool:

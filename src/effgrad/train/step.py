@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-import warnings
 from typing import NamedTuple
 
 import keras
@@ -49,11 +48,6 @@ from effgrad.train.options import OFF_UNDER_DP, StepOptions
 __all__ = ["TrainStep"]
 
 _log = logging.getLogger("effgrad")
-
-# How often (in calls) the step reads the loss-scale state to warn about a
-# collapsed scale; reading it every call would force a device sync.
-_COLLAPSE_CHECK_EVERY = 10
-_COLLAPSE_STREAK = 10
 
 
 def _unwrap_optimizer(optimizer):
@@ -164,8 +158,7 @@ class TrainStep:
         self.loss_scale: loss_scale_lib.LossScale | None = None
         self.noise_scale: noise_scale.GradientNoiseScale | None = None
         self.trace_count = 0
-        self._calls = 0
-        self._warned_collapse = False
+        self._collapse = loss_scale_lib.CollapseWatch()
         self.ready = False
         self._signatures: set[str] = set()
         self.accumulators: accumulate.Accumulators | None = None
@@ -322,27 +315,9 @@ class TrainStep:
         self.watch_loss_scale()
         return logs
 
-    def forget_calls(self) -> None:
-        """Counts calls from now on (a planned step: planning's calls are not training's)."""
-        self._calls = 0
-
     def watch_loss_scale(self) -> None:
         """Warns once when the dynamic scale has collapsed (called between steps, on the host)."""
-        self._calls += 1
-        if self._warned_collapse or not isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
-            return
-        if self._calls % _COLLAPSE_CHECK_EVERY:
-            return
-        if int(self.loss_scale.overflow_streak) >= _COLLAPSE_STREAK:
-            self._warned_collapse = True
-            warnings.warn(
-                f"effgrad: the loss scale sits at min_scale={self.loss_scale.min_scale} and the last "
-                f"{int(self.loss_scale.overflow_streak)} steps all had inf/NaN gradients, so every one "
-                "was skipped. Likely causes: the loss itself is inf/NaN (bad data, log(0), a division "
-                "by zero) or training diverged (learning rate too high). Loss scaling cannot fix either.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self._collapse.after_step(self.loss_scale)
 
     # ------------------------------------------------------- compiled pieces
     def _distributed_step(self, x, y, sample_weight, micro_batches):
