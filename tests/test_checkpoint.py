@@ -449,3 +449,27 @@ def test_a_block_drawing_from_keras_global_seed_generator_before_it_exists_equal
         model.compile(keras.optimizers.SGD(1e-3), "mse")  # Keras's own step (effgrad's makes the generator first)
         losses.append(model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_closed_over_that_the_tape_differentiates_is_refused_not_left_without_gradient(mode):
+    # tf.custom_gradient differentiates a block's arguments and the variables it reads: a weight-dependent
+    # tensor it closes over (or reads as a global) would silently get no gradient.
+    dense = keras.layers.Dense(4)
+    dense.build((None, 4))
+    x, c = tf.ones((2, 4)), tf.fill((4, 4), 0.5)
+
+    def gradient(closed_over: bool):
+        with tf.GradientTape() as tape:
+            w = dense.kernel * 2.0
+            if closed_over:
+                f = effgrad.checkpoint(lambda x: tf.matmul(x, w))
+                y = f(x)
+            else:  # passed as an argument; a constant closed over has no gradient to lose
+                y = effgrad.checkpoint(lambda x, w: tf.matmul(x, w) + tf.matmul(x, c))(x, w)
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, dense.kernel)
+
+    with pytest.raises(ValueError, match="argument"):
+        _compile(lambda: gradient(True), mode)()
+    np.testing.assert_allclose(_compile(lambda: gradient(False), mode)(), np.full((4, 4), 4.0))

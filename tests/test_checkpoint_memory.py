@@ -39,3 +39,28 @@ def test_sqrt_segments_use_clearly_less_memory(jit_compile):
     print(f"plain {plain / 2**20:.0f} MiB, sqrt segments {segmented / 2**20:.0f} MiB")
     assert plain > activations  # the plain stack keeps every activation
     assert segmented < 0.5 * plain
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_deleted_checkpointed_model_and_its_step_free_their_weights(jit_compile):
+    # In graph mode tf.custom_gradient registers each call's gradient function, which holds the block's
+    # variables, in TensorFlow's global registry for good: the weights would outlive the model.
+    import gc
+
+    width = 2048
+    x, y = tf.ones((8, width)), tf.zeros((8, width))
+
+    def left_after_del() -> int:
+        gc.collect()
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model = keras.Sequential([keras.Input((width,)), effgrad.Checkpoint(keras.layers.Dense(width))])
+        step = effgrad.build_train_step(
+            model, "mse", keras.optimizers.SGD(0.1), fused_update=False, jit_compile=jit_compile
+        )
+        step(x, y)
+        del model, step
+        gc.collect()
+        return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+
+    kernel = width * width * 4
+    assert left_after_del() < kernel / 4

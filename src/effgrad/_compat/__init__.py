@@ -74,6 +74,7 @@ from effgrad._compat.tf_ops import (
     collective_launchers,
     context_started,
     current_device,
+    custom_gradient,
     dynamic_update_slice,
     empty_variable,
     function_def,
@@ -81,8 +82,10 @@ from effgrad._compat.tf_ops import (
     in_xla_context,
     loops_one_iteration_at_a_time,
     optimization_barrier,
+    own_custom_gradient,
     refill_variable,
     stop_recording,
+    tape_records,
 )
 from effgrad._compat.versions import TESTED
 
@@ -110,6 +113,7 @@ __all__ = [
     "compiled_metric_objects",
     "context_started",
     "current_device",
+    "custom_gradient",
     "dynamic_update_slice",
     "empty_variable",
     "function_def",
@@ -134,6 +138,7 @@ __all__ = [
     "mmap_of",
     "model_state",
     "optimization_barrier",
+    "own_custom_gradient",
     "optimizer_strategy",
     "override_method",
     "own_variables",
@@ -152,6 +157,7 @@ __all__ = [
     "slots_standing_in",
     "squeeze_or_expand_to_same_rank",
     "stop_recording",
+    "tape_records",
     "track_variable",
     "variable_key",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 
 import keras  # noqa: F401
 import tensorflow as tf
@@ -16,6 +18,7 @@ __all__ = [
     "collective_launchers",
     "context_started",
     "current_device",
+    "custom_gradient",
     "dynamic_update_slice",
     "empty_variable",
     "function_def",
@@ -23,8 +26,10 @@ __all__ = [
     "in_xla_context",
     "loops_one_iteration_at_a_time",
     "optimization_barrier",
+    "own_custom_gradient",
     "refill_variable",
     "stop_recording",
+    "tape_records",
 ]
 
 
@@ -33,12 +38,22 @@ try:
     # Keeps grappler from merging a recompute back into the forward pass; writes a block at a
     # traced offset in place under XLA (the fused loss's kernel gradient).
     from tensorflow.compiler.tf2xla.python.xla import dynamic_update_slice, optimization_barrier
+    from tensorflow.python.eager.record import should_record_backprop as _should_record_backprop
     from tensorflow.python.eager.record import stop_recording
 
     # Tells whether a graph is being compiled by XLA (the recompute guard differs).
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
 except (ImportError, AttributeError) as _err:  # pragma: no cover - only on an untested TF
     raise _missing("tensorflow.python.eager.record / control_flow_util / tf2xla xla ops", _err) from _err
+
+try:
+    # tf.custom_gradient's graph-mode gradient functions live in TensorFlow's global gradient registry.
+    from tensorflow.python.framework import registry as _registry
+    from tensorflow.python.framework.ops import gradient_registry as _gradient_registry
+
+    _gradient_registry._registry, _registry._TYPE_TAG  # noqa: B018
+except (ImportError, AttributeError) as _err:  # pragma: no cover
+    raise _missing("tensorflow.python.framework.ops.gradient_registry", _err) from _err
 
 try:
     # The registered gradient function of a graph op: fused_update makes a weight's gradient from the
@@ -61,6 +76,62 @@ try:  # TensorFlow 2.21 registers none; a later one that does keeps its own
     tf.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
 except KeyError:  # pragma: no cover
     pass
+
+
+def tape_records(tensors) -> bool:
+    """Whether an active ``tf.GradientTape`` differentiates through any of ``tensors`` (they depend on
+    something it watches): a checkpointed block that closes over one would drop that gradient."""
+    return bool(tensors) and bool(_should_record_backprop(list(tensors)))
+
+
+def custom_gradient(f):
+    """``tf.custom_gradient(f)`` whose gradient function, in graph mode, is held by the graph that made it
+    (:func:`own_custom_gradient`), not for good by TensorFlow's registry."""
+    wrapped = tf.custom_gradient(f)
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        out = wrapped(*args, **kwargs)
+        if not tf.executing_eagerly():
+            first = next((t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)), None)
+            if first is not None:
+                own_custom_gradient(first.op)
+        return out
+
+    return call
+
+
+def own_custom_gradient(op) -> None:
+    """Makes ``op``'s graph own the gradient function that ``tf.custom_gradient`` registered for ``op``
+    (the IdentityN it made), leaving TensorFlow's global registry a weak reference to it.
+
+    In graph mode ``tf.custom_gradient`` registers every call's gradient function under a new name in a
+    registry that is never emptied: the function, and all it closes over (the block's tensors, its
+    variables and so its weights), would outlive the model, the step and their graphs.
+    """
+    try:
+        name = op.get_attr("_gradient_op_type").decode()
+    except ValueError:  # not a custom gradient's op
+        return
+    entry = _gradient_registry._registry.get(name)
+    if entry is None or isinstance(entry[_registry._TYPE_TAG], _WeakGradient):
+        return
+    function = entry[_registry._TYPE_TAG]
+    op.graph.add_to_collection("effgrad_gradient_functions", function)  # held by the graph, freed with it
+    entry[_registry._TYPE_TAG] = _WeakGradient(function)
+
+
+class _WeakGradient:
+    """A registered gradient function held weakly: alive while the graph that made it is."""
+
+    def __init__(self, function):
+        self.function = weakref.ref(function)
+
+    def __call__(self, op, *grads):
+        function = self.function()
+        if function is None:  # pragma: no cover - asked only by the graph that owns it
+            raise RuntimeError(f"the gradient function of {op.name} was freed with the graph that made it")
+        return function(op, *grads)
 
 
 def function_def(graph, name: str):

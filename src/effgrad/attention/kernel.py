@@ -171,7 +171,7 @@ def attend(q, k, v, mask, seed, plan: blocks.Plan):
     forward, backward = _compiled(plan, q.dtype, mask_shape, seed is not None)
     extra = [t for t in (mask, seed) if t is not None]
 
-    @tf.custom_gradient
+    @_compat.custom_gradient
     def run(q, k, v):
         # In a graph tf.custom_gradient still records f's ops on the tape; the loops must not be
         # differentiated (that would keep every block's intermediates).

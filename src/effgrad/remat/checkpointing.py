@@ -41,6 +41,7 @@ Trap:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -103,6 +104,42 @@ def _differentiable(t) -> bool:
     return t.dtype.is_floating or t.dtype.is_complex
 
 
+def _closed_over(fn, inputs, ops=None) -> list[str]:
+    """The tensors a block reads besides its ``inputs`` that a tape differentiates through:
+    ``tf.custom_gradient`` differentiates only the inputs and the variables read, so these would get no
+    gradient, silently. In a graph, every tensor made outside the block that its ``ops`` read; eagerly
+    (no ops to read), the tensors ``fn`` closes over, names as a global or a ``functools.partial`` binds."""
+    given = {t.ref() for t in inputs}
+    if ops is not None:
+        made = {op.name for op in ops}
+        read = [t for op in ops for t in op.inputs if t.op.name not in made]
+    else:
+        cells = [_contents(c) for c in getattr(fn, "__closure__", None) or ()]
+        code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+        cells += [names[n] for n in (code.co_names if code else ()) if n in names]
+        bound = [*fn.args, *fn.keywords.values()] if isinstance(fn, functools.partial) else []
+        read = [t for value in cells + bound for t in tf.nest.flatten(value) if tf.is_tensor(t)]
+    outside = {t.ref(): t for t in read if t.ref() not in given and _differentiable(t)}
+    closed = [t for t in outside.values() if _compat.tape_records([t])]
+    return sorted(t.name if hasattr(t, "graph") else f"a tensor of shape {t.shape}" for t in closed)
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable of the enclosing function not assigned yet
+        return None
+
+
+def _refuse_closed_over(fn, closed: list[str]) -> None:
+    if closed:
+        raise ValueError(
+            f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'the block'))} reads {closed}, made "
+            "outside it from what the tape differentiates, which a checkpointed block cannot give a gradient: "
+            "pass them as arguments."
+        )
+
+
 def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` whose activations are recomputed in backprop."""
     structure = (args, kwargs)
@@ -127,7 +164,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
     out_structure, out_masks = [], []
 
-    @tf.custom_gradient
+    @_compat.custom_gradient
     def forward(*tensors):
         scope = StateScope(collect_losses=True)
         created = []
@@ -139,14 +176,18 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
 
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         known = 0 if graph is None else len(graph.get_operations())
+        if graph is None:
+            _refuse_closed_over(fn, _closed_over(fn, tensors))
         # Outermost: Keras creates the variables of a layer built inside a
         # StatelessScope when that scope exits.
         with tf.variable_creator_scope(creator), scope, _compat.stop_recording():  # keep no activation
             outputs = call(tensors)
         if graph is not None:
-            drawn = sorted(_random_ops(graph, graph.get_operations()[known:]))
+            ops = graph.get_operations()[known:]
+            drawn = sorted(_random_ops(graph, ops))
             if drawn:
                 raise _NotReplayable(", ".join(drawn))
+            _refuse_closed_over(fn, _closed_over(fn, tensors, ops))
         if scope.losses and not kwargs.get("training", _compat.call_context_training()):
             if isinstance(fn, keras.layers.Layer):  # inference: handed on as the plain call adds them
                 fn.add_loss(scope.losses)

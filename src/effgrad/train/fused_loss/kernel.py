@@ -241,7 +241,7 @@ def _fused(hidden, kernel, bias, labels, valid, transposed, soft_cap, size, give
         # A static-size slice: XLA needs static shapes, and the padding makes every chunk full.
         return tf.slice(t, [i * size] + [0] * (t.shape.rank - 1), [size] + [-1] * (t.shape.rank - 1))
 
-    @tf.custom_gradient
+    @_compat.custom_gradient
     def fused(h, w, b):
         # stop_gradient: the loops are differentiated by `grad` below, so while_v2 must not keep
         # per-iteration accumulators (each chunk's logits) for a gradient of its own.

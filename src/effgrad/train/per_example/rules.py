@@ -38,6 +38,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from effgrad import _compat
 from effgrad._proof import stands_in_for
 from effgrad.train.per_example.forms import Direct, Ids, Outer, View, by_rows
 
@@ -137,7 +138,7 @@ def activate(activation, z):
     if activation is None:
         return z
 
-    @tf.custom_gradient
+    @_compat.custom_gradient
     def apply(z):
         def grad(g):
             anchor = tf.reshape(g, [-1])[:1] * 0

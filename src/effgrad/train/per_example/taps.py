@@ -230,7 +230,7 @@ class Recorder:
         self.tape.watch(zero)
         self.zeros.append(zero)
 
-        @tf.custom_gradient
+        @_compat.custom_gradient
         def tap(*inputs):
             *values, zero = inputs
 
