@@ -1,6 +1,7 @@
 """Reference computations the tests compare effgrad against."""
 
 import atexit
+import gc
 import json
 import os
 import signal
@@ -365,3 +366,14 @@ def bag_of_embeddings(vocabulary: int, width: int, length: int, classes: int = 3
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((length,), dtype="int32"), keras.layers.Embedding(vocabulary, width),
                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(classes)])  # fmt: skip
+
+
+def bytes_left_after(make) -> int:
+    """Allocator bytes still held once what ``make()`` built (and returned) is deleted and collected:
+    what a process that builds one model after another keeps of each."""
+    gc.collect()
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    built = make()
+    del built
+    gc.collect()
+    return tf.config.experimental.get_memory_info("CPU:0")["current"] - before

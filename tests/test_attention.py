@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import effgrad
 from effgrad.attention import dropout_keep_mask
-from helpers import in_fresh_processes
+from helpers import bytes_left_after, in_fresh_processes
 
 MODES = {
     "eager": lambda f: f,
@@ -235,3 +235,21 @@ def test_the_scores_never_exist_memory_grows_linearly_in_length():
     assert extra[2048] < 0.1 * scores, json.dumps(extra)
     # Linear: doubling T about doubles the peak (quadratic would quadruple it).
     assert extra[2048] < 2.8 * extra[1024], json.dumps(extra)
+
+
+def test_a_deleted_model_with_routed_attention_frees_its_weights():
+    # The kernel's loops are traced once per shape for every layer; traced inside the first step's graph,
+    # the cached trace would keep that graph, and the model's weights, alive. (Shapes of this test only:
+    # a shape traced by an earlier test would not be traced here.)
+    width = 1536
+
+    def trained():
+        inputs = keras.Input((11, 40))
+        attended = keras.layers.MultiHeadAttention(2, 20)(inputs, inputs)
+        model = keras.Model(inputs, keras.layers.Dense(width)(keras.layers.Flatten()(attended)))
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), attention=True)
+        step(tf.ones((4, 11, 40)), tf.zeros((4, width)))
+        assert step.attention
+        return model, step
+
+    assert bytes_left_after(trained) < 11 * 40 * width * 4 / 4

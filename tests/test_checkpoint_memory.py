@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import effgrad
+from helpers import bytes_left_after
 
 # 32 layers: sqrt segments keep ~12 activations of 32 (measured 0.35 of the plain peak, XLA 0.14). A batch twice
 # the width keeps each activation twice a weight gradient, as at 512 x 1024, for an eighth of the compute.
@@ -45,22 +46,15 @@ def test_sqrt_segments_use_clearly_less_memory(jit_compile):
 def test_a_deleted_checkpointed_model_and_its_step_free_their_weights(jit_compile):
     # In graph mode tf.custom_gradient registers each call's gradient function, which holds the block's
     # variables, in TensorFlow's global registry for good: the weights would outlive the model.
-    import gc
-
     width = 2048
     x, y = tf.ones((8, width)), tf.zeros((8, width))
 
-    def left_after_del() -> int:
-        gc.collect()
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    def trained():
         model = keras.Sequential([keras.Input((width,)), effgrad.Checkpoint(keras.layers.Dense(width))])
         step = effgrad.build_train_step(
             model, "mse", keras.optimizers.SGD(0.1), fused_update=False, jit_compile=jit_compile
         )
         step(x, y)
-        del model, step
-        gc.collect()
-        return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+        return model, step
 
-    kernel = width * width * 4
-    assert left_after_del() < kernel / 4
+    assert bytes_left_after(trained) < width * width * 4 / 4

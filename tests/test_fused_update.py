@@ -10,7 +10,7 @@ import tensorflow as tf
 import effgrad
 from conftest import assert_variables_close
 from effgrad.train import fused_update
-from helpers import in_fresh_processes, mlp, plain_step, tiny_gpt2_lm
+from helpers import bytes_left_after, in_fresh_processes, mlp, plain_step, tiny_gpt2_lm
 
 
 def _masked_model(seed=0):
@@ -413,3 +413,19 @@ def test_keras_hub_gpt2_with_padding_and_dropout_fused_equals_gathered(rng):
     (fused_model, fused_loss), (model, loss_value) = results
     assert fused_loss == pytest.approx(loss_value, rel=1e-6)
     assert_variables_close(fused_model.trainable_variables, model.trainable_variables, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deleted_model_and_its_fused_step_free_their_weights():
+    # Asked for a Dense's MatMul and BiasAdd outputs in one call, TensorFlow's tape would keep the step's
+    # graph, and with it every weight, for good.
+    width = 2048
+    x, y = tf.ones((8, width)), tf.zeros((8, width))
+
+    def trained():
+        model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width), keras.layers.Dense(width)])
+        step = effgrad.build_train_step(model, "mse", keras.optimizers.SGD(0.1), fused_update=True)
+        step(x, y)
+        assert step.fused_update
+        return model, step
+
+    assert bytes_left_after(trained) < width * width * 4 / 4

@@ -157,10 +157,14 @@ def _compiled(plan: blocks.Plan, dtype: tf.DType, mask_shape: tuple | None, seed
         return tuple(tf.cast(g, dtype) for g in grads)
 
     stats = [tf.TensorSpec(rows, plan.dtype), tf.TensorSpec(rows, tf.bool)]
-    return (
+    functions = (
         tf.function(forward, input_signature=[q, k, v, *extra], autograph=False),
         tf.function(backward, input_signature=[q, k, v, o, *stats, o, *extra], autograph=False),
     )
+    with tf.init_scope():  # traced here: a trace inside the caller's graph would keep it, and its weights, alive
+        for function in functions:
+            function.get_concrete_function()
+    return functions
 
 
 def attend(q, k, v, mask, seed, plan: blocks.Plan):

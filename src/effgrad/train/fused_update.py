@@ -166,12 +166,14 @@ def _step(train_step, x, y, sample_weight, persistent: bool) -> dict:
     forward_ops = [] if func_graph is None else func_graph.get_operations()[known:]
     uses = None if func_graph is None else local_grad.uses_of(forward_ops, variables)
     outputs = [] if uses is None else list({id(u.output): u.output for us in uses if us for u in us}.values())
+    asked, derived = local_grad.unchained(outputs)
     # One backward pass: every weight gradient (only used when the uses cannot stand in for them:
     # unused ops are pruned) and the gradients of the uses' outputs, the activation chain shared.
     with _compat.loops_one_iteration_at_a_time():  # as the gathered step (effgrad.train.flows)
-        grads = tape.gradient(target, [*variables, *outputs])
+        grads = tape.gradient(target, [*variables, *asked])
     first = grads[: len(variables)]  # an embedding's IndexedSlices kept for the optimizer, as Keras hands them
-    output_grads = {id(t): g for t, g in zip(outputs, grads[len(variables) :]) if g is not None}
+    output_grads = {id(t): g for t, g in zip(asked, grads[len(variables) :]) if g is not None}
+    local_grad.derive(derived, output_grads)
     if uses is not None:
         uses = _local_or_kept(uses, output_grads, first, target, variables)
     if uses is None:  # a second whole backward pass is needed

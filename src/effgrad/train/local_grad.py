@@ -25,7 +25,16 @@ dtype's largest number, ``dW`` is finite and so is its sum: the same verdict
 as ``is_finite(reduce_sum(dW))``, without the matmul. Otherwise (float16
 under a large loss scale, huge activations) ``dW`` is made and checked.
 
-Trap:
+Traps:
+    TensorFlow 2.21's tape, asked in one call for the gradients of an op's
+    input and of its output, keeps a reference to the output's gradient that
+    it never drops, and that gradient holds its graph and every variable the
+    graph captured (measured: a fused step's weights stayed allocated after the
+    model and the step were deleted). A Dense's ``MatMul`` output is read by
+    its ``BiasAdd``, both uses: :func:`unchained` asks the tape for the
+    ``BiasAdd``'s and :func:`derive` makes the ``MatMul``'s from it, as the
+    tape itself does.
+
     The *direct* gradient of each use is what counts. ``tape.gradient(z, W,
     output_gradients=dz)`` over several uses of one weight (a layer called
     twice in sequence) would follow the path from the second use back
@@ -43,7 +52,7 @@ import tensorflow as tf
 from effgrad import _compat
 from effgrad.train import accumulate
 
-__all__ = ["Use", "uses_of", "read_in_loops", "weight_gradient", "finite_bound"]
+__all__ = ["Use", "uses_of", "read_in_loops", "unchained", "derive", "weight_gradient", "finite_bound"]
 
 # Ops that only view a weight (its values, reshaped, transposed or cast): its use is further on.
 _VIEWS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
@@ -155,6 +164,46 @@ def _uses_after(tensor, views: tuple, inside: set) -> list[Use]:
         else:
             uses += [Use(consumer, k, views) for k, t in enumerate(consumer.inputs) if t is tensor]
     return uses
+
+
+def unchained(outputs: list) -> tuple[list, list]:
+    """``(asked, derived)``: the uses' ``outputs`` to ask the tape for, and those :func:`derive` makes.
+
+    No asked output is an input of the op making another (see the module's Traps). An output read only
+    by the op making another output (one output) is derived from that one's gradient; one read by such
+    an op and others is in neither list: its variable's gradient is not made from its uses.
+    """
+    ids = {id(t) for t in outputs}
+    asked, derived = [], []
+    for t in outputs:
+        consumers = t.consumers()
+        if not any(id(o) in ids for c in consumers for o in c.outputs):
+            asked.append(t)
+        elif len(consumers) == 1 and len(consumers[0].outputs) == 1:
+            derived.append(t)
+    return asked, derived
+
+
+def derive(derived: list, output_grads: dict) -> None:
+    """Adds to ``output_grads`` (``{id(output): dz}``) the gradient of each :func:`unchained` ``derived``
+    output: its one consumer's gradient function applied to the gradient of the consumer's output."""
+    waiting = {id(t): t for t in derived}
+    while waiting:
+        # Downstream first: an output whose consumer makes another waiting output waits for that one.
+        ready = [t for t in waiting.values() if id(t.consumers()[0].outputs[0]) not in waiting]
+        if not ready:  # pragma: no cover - the ops of one graph make no cycle
+            return
+        for t in ready:
+            del waiting[id(t)]
+            op = t.consumers()[0]
+            dz = output_grads.get(id(op.outputs[0]))
+            if dz is None:
+                continue
+            grads = _compat.gradient_function(op)(op, tf.convert_to_tensor(dz))
+            grads = grads if isinstance(grads, (list, tuple)) else [grads]
+            parts = [g for x, g in zip(op.inputs, grads) if x is t and g is not None]
+            if parts:
+                output_grads[id(t)] = parts[0] if len(parts) == 1 else tf.add_n(parts)
 
 
 def weight_gradient(uses: list[Use], output_grads: dict) -> tf.Tensor | None:
