@@ -26,7 +26,6 @@ __all__ = [
     "in_xla_context",
     "loops_one_iteration_at_a_time",
     "optimization_barrier",
-    "own_custom_gradient",
     "refill_variable",
     "stop_recording",
     "tape_records",
@@ -85,8 +84,13 @@ def tape_records(tensors) -> bool:
 
 
 def custom_gradient(f):
-    """``tf.custom_gradient(f)`` whose gradient function, in graph mode, is held by the graph that made it
-    (:func:`own_custom_gradient`), not for good by TensorFlow's registry."""
+    """``tf.custom_gradient(f)`` whose gradient function, in graph mode, is held by the graph that made it.
+
+    In graph mode ``tf.custom_gradient`` registers every call's gradient function under a new name in
+    TensorFlow's global registry, which is never emptied: the function, and all it closes over (the
+    block's tensors, its variables and so its weights), would outlive the model, the step and their
+    graphs. Here the graph keeps the function and the registry a weak reference, dropped with it.
+    """
     wrapped = tf.custom_gradient(f)
 
     @functools.wraps(f)
@@ -95,37 +99,32 @@ def custom_gradient(f):
         if not tf.executing_eagerly():
             first = next((t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)), None)
             if first is not None:
-                own_custom_gradient(first.op)
+                _owned_by_graph(first.op)
         return out
 
     return call
 
 
-def own_custom_gradient(op) -> None:
-    """Makes ``op``'s graph own the gradient function that ``tf.custom_gradient`` registered for ``op``
-    (the IdentityN it made), leaving TensorFlow's global registry a weak reference to it.
-
-    In graph mode ``tf.custom_gradient`` registers every call's gradient function under a new name in a
-    registry that is never emptied: the function, and all it closes over (the block's tensors, its
-    variables and so its weights), would outlive the model, the step and their graphs.
-    """
+def _owned_by_graph(op) -> None:
+    """Hands the gradient function registered for ``op`` (the IdentityN a custom gradient made) to its graph."""
     try:
         name = op.get_attr("_gradient_op_type").decode()
     except ValueError:  # not a custom gradient's op
         return
-    entry = _gradient_registry._registry.get(name)
+    entries = _gradient_registry._registry
+    entry = entries.get(name)
     if entry is None or isinstance(entry[_registry._TYPE_TAG], _WeakGradient):
         return
     function = entry[_registry._TYPE_TAG]
     op.graph.add_to_collection("effgrad_gradient_functions", function)  # held by the graph, freed with it
-    entry[_registry._TYPE_TAG] = _WeakGradient(function)
+    entry[_registry._TYPE_TAG] = _WeakGradient(function, lambda _: entries.pop(name, None))
 
 
 class _WeakGradient:
     """A registered gradient function held weakly: alive while the graph that made it is."""
 
-    def __init__(self, function):
-        self.function = weakref.ref(function)
+    def __init__(self, function, on_free):
+        self.function = weakref.ref(function, on_free)
 
     def __call__(self, op, *grads):
         function = self.function()

@@ -36,7 +36,10 @@ Trap:
     random ops (``tf.random.uniform``) is not checkpointed, with a warning
     (its recompute would draw other numbers); run eagerly, it is not detected. Layers
     must be built before their first checkpointed call (effgrad raises if a
-    variable is created inside one, since it would get no gradient).
+    variable is created inside one, since it would get no gradient). A tensor
+    made outside the block that a tape differentiates must be an argument:
+    one it reads otherwise (closed over) is refused, since it would get no
+    gradient.
 """
 
 from __future__ import annotations
