@@ -491,3 +491,16 @@ def test_a_keras_hub_lm_updates_its_token_table_in_parts_like_float32(rng, monke
                 step(x, tokens)
         tables[state] = model.backbone.token_embedding.embeddings.numpy() - start
     assert np.linalg.norm(tables["int8"] - tables["float32"]) <= 0.03 * np.linalg.norm(tables["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_what_the_optimizer_holds_outside_its_config_is_kept(dtype):
+    # exclude_from_weight_decay(...) and a callable learning rate are not in get_config.
+    excluded, decayed = (keras.Variable(np.ones((128, 64), "float32"), name=n) for n in ("no_decay", "decay"))
+    optimizer = keras.optimizers.AdamW(lambda: 0.01, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_names=["no_decay"])
+    compact = effgrad.compact_state(optimizer, dtype=dtype)
+    for _ in range(3):
+        compact.apply([tf.zeros((128, 64))] * 2, [excluded, decayed])
+    np.testing.assert_array_equal(excluded.numpy(), 1.0)
+    np.testing.assert_allclose(decayed.numpy(), (1 - 0.01 * 0.5) ** 3, rtol=1e-6)

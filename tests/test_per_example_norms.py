@@ -156,6 +156,45 @@ def test_other_layers_and_overriding_subclasses_fall_back_exactly_with_one_warni
     assert any("overrides call of Dense" in m for m in messages)  # says why
 
 
+class _DoubledKernel(keras.layers.Dense):
+    @property
+    def kernel(self):  # call, inherited, reads this
+        return super().kernel * 2.0
+
+
+class _ScaledTable(keras.layers.Embedding):
+    @property
+    def embeddings(self):
+        return super().embeddings * 3.0
+
+
+class _PadsTheFuture(keras.layers.Conv1D):
+    def _compute_causal_padding(self):
+        return [[0, 0], [0, (self.kernel_size[0] - 1) * self.dilation_rate[0]], [0, 0]]
+
+
+class _HalfForget(keras.layers.LSTMCell):
+    def _compute_carry_and_output_fused(self, z, c_tm1):
+        z0, z1, z2, z3 = z
+        return super()._compute_carry_and_output_fused((z0, z1 * 0.5, z2, z3), c_tm1)
+
+
+def test_subclasses_redefining_what_the_inherited_call_reads_fall_back_exactly(rng):
+    # Each inherits call, which reads a property or calls a helper the subclass redefines: a closed form
+    # of the base class would compute the base class's layer.
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32")
+    h = _PadsTheFuture(4, 3, padding="causal")(_ScaledTable(20, 5)(tokens))
+    h = keras.layers.RNN(_HalfForget(3))(h)
+    model = keras.Model(tokens, keras.layers.Dense(2)(_DoubledKernel(4)(h)))
+    x, y = rng.integers(0, 20, (5, 6)).astype("int32"), rng.normal(size=(5, 2)).astype("float32")
+    with pytest.warns(UserWarning, match="no closed form") as caught:
+        _check(model, "mse", x, y, closed_form=False)
+    said = " ".join(str(w.message) for w in caught)
+    for redefined in ("kernel", "embeddings", "_compute_causal_padding", "_compute_carry_and_output_fused"):
+        assert redefined in said
+
+
 class _ReadsAnotherLayersKernel(keras.layers.Layer):
     def __init__(self, dense, **kwargs):
         super().__init__(**kwargs)

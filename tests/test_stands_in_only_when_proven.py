@@ -26,6 +26,12 @@ class HalfDense(keras.layers.Dense):
         return super().call(inputs) * 0.5
 
 
+class HalfKernel(keras.layers.Dense):  # inherits call, which reads this property
+    @property
+    def kernel(self):
+        return super().kernel * 0.5
+
+
 def _lm(head=keras.layers.Dense):
     keras.utils.set_random_seed(0)
     return keras.Sequential(
@@ -67,6 +73,12 @@ def test_a_dense_subclass_with_its_own_call_is_not_fused_as_a_dense(rng):
     step = _fit_both(rng, lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True), head=HalfDense)
     assert step.fused_loss is False
     assert "HalfDense" in step.fused_loss_reason
+
+
+def test_a_dense_subclass_redefining_what_call_reads_is_not_fused_as_a_dense(rng):
+    step = _fit_both(rng, lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True), head=HalfKernel)
+    assert step.fused_loss is False
+    assert "kernel" in step.fused_loss_reason
 
 
 _DENSE_CALL = keras.layers.Dense.call

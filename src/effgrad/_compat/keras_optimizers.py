@@ -167,6 +167,32 @@ def set_learning_rate(optimizer, rate) -> None:
     optimizer._learning_rate = rate
 
 
+def config_and_exclusions(optimizer) -> tuple[dict, dict]:
+    """``optimizer``'s config, and what it holds outside it: the weight-decay exclusions.
+
+    A learning rate that is not a variable (a schedule, a callable) is left out of the config (a number
+    stands in): a callable has no config, nor a schedule without ``get_config``; the caller hands the
+    object itself on (:func:`set_learning_rate`).
+    """
+    rate = optimizer._learning_rate
+    if not isinstance(rate, keras.Variable):
+        optimizer._learning_rate = 0.001
+    try:
+        config = optimizer.get_config()
+    finally:
+        optimizer._learning_rate = rate
+    names = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+    return config, {name: vars(optimizer)[name] for name in names if name in vars(optimizer)}
+
+
+def set_exclusions(optimizer, exclusions: dict) -> None:
+    """Gives ``optimizer`` the weight-decay exclusions :func:`config_and_exclusions` read from another."""
+    for name, value in exclusions.items():
+        setattr(optimizer, name, value)
+    if exclusions:
+        optimizer._exclude_from_weight_decay_cache = {}
+
+
 if not any(
     "_serialize_to_tensors" in vars(c) for c in keras.Variable.__mro__ if c.__module__.startswith("keras")
 ) or not any("_track_variable" in vars(c) for c in keras.optimizers.Optimizer.__mro__):  # pragma: no cover

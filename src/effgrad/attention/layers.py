@@ -85,7 +85,8 @@ def family_of(layer) -> tuple[str, type] | None:
 def class_reason(layer, family: str, known: type) -> str | None:
     """Why ``layer`` does not run ``known``'s own attention code (None: it does; see :mod:`effgrad._proof`)."""
     methods = tuple(name for name in METHODS[family] if hasattr(known, name))
-    return _proof.stands_in_for(layer, known, methods, ours=(_compat.model_state(layer).get("attention_hook"),))
+    hook = _compat.model_state(layer).get("attention_hook")
+    return _proof.stands_in_for(layer, known, methods, ours=(hook,), whole=False)  # whatever call does
 
 
 def bind(layer, known: type, args, kwargs) -> dict:

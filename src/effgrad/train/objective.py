@@ -91,7 +91,7 @@ def unreduced(loss) -> Callable:
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     if isinstance(loss, keras.losses.Loss):
-        if _proof.stands_in_for(loss, keras.losses.Loss, ("__call__",)):
+        if _proof.stands_in_for(loss, keras.losses.Loss, ("__call__",), whole=False):
             raise ValueError(
                 f"{type(loss).__name__} overrides Loss.__call__, which effgrad cannot use: it needs the unreduced "
                 "values of call() to normalize once over the whole batch. Move that code into call()."

@@ -335,9 +335,11 @@ def compact_state(
             "new optimizer, before the first step (model.compile(optimizer=effgrad.compact_state(...)))."
         )
     schedule = _compat.learning_rate(optimizer)
+    config, exclusions = _compat.config_and_exclusions(optimizer)
     compact = _CLASSES[type(optimizer)].from_config(
-        {**optimizer.get_config(), "compact_dtype": dtype, "block_size": block_size, "min_size": min_size}
+        {**config, "compact_dtype": dtype, "block_size": block_size, "min_size": min_size}
     )
     if not isinstance(schedule, keras.Variable):
         _compat.set_learning_rate(compact, schedule)  # the caller's schedule or callable itself, not a copy
+    _compat.set_exclusions(compact, exclusions)  # exclude_from_weight_decay(...): not in the config
     return compact

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from effgrad import _compat
+from effgrad._proof import stands_in_for
 from effgrad.train.per_example.forms import Direct, Outer, View, by_rows
 from effgrad.train.per_example.rules import NotApplicable, bind, register
 
@@ -47,8 +48,8 @@ def _cell_config(layer) -> str | None:
     kind = next((c for c in CELLS if isinstance(cell, c)), None)
     if kind is None:
         return f"its cell is a {type(cell).__name__}"
-    if type(cell).call is not kind.call:
-        return f"its cell {type(cell).__name__} overrides call of {kind.__name__}"
+    if why := stands_in_for(cell, kind):
+        return f"its cell: {why}"
     if getattr(layer, "stateful", False):
         return "it is stateful"
     return None
