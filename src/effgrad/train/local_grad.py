@@ -33,7 +33,9 @@ Traps:
     model and the step were deleted). A Dense's ``MatMul`` output is read by
     its ``BiasAdd``, both uses: :func:`unchained` asks the tape for the
     ``BiasAdd``'s and :func:`derive` makes the ``MatMul``'s from it, as the
-    tape itself does.
+    tape itself does. A use's output that another use and other ops read (a
+    linear Dense's output feeding the next Dense and a residual sum) is still
+    asked for with that use's: such a model's graph outlives the step.
 
     The *direct* gradient of each use is what counts. ``tape.gradient(z, W,
     output_gradients=dz)`` over several uses of one weight (a layer called
@@ -169,18 +171,17 @@ def _uses_after(tensor, views: tuple, inside: set) -> list[Use]:
 def unchained(outputs: list) -> tuple[list, list]:
     """``(asked, derived)``: the uses' ``outputs`` to ask the tape for, and those :func:`derive` makes.
 
-    No asked output is an input of the op making another (see the module's Traps). An output read only
-    by the op making another output (one output) is derived from that one's gradient; one read by such
-    an op and others is in neither list: its variable's gradient is not made from its uses.
+    An output read only by the op making another output (a ``MatMul``'s, read by its ``BiasAdd``) is
+    derived from that one's gradient, so that the tape is not asked for an op's input and output (see
+    the module's Traps). One that other ops read too is asked for all the same: its gradient sums
+    their paths, and kept from the first pass instead, its variable's gradient would cost memory.
     """
     ids = {id(t) for t in outputs}
     asked, derived = [], []
     for t in outputs:
         consumers = t.consumers()
-        if not any(id(o) in ids for c in consumers for o in c.outputs):
-            asked.append(t)
-        elif len(consumers) == 1 and len(consumers[0].outputs) == 1:
-            derived.append(t)
+        one = len(consumers) == 1 and len(consumers[0].outputs) == 1 and id(consumers[0].outputs[0]) in ids
+        (derived if one else asked).append(t)
     return asked, derived
 
 
