@@ -234,6 +234,21 @@ def test_mixed_float16_clips_the_unscaled_gradients(rng):
     assert_variables_close(model.trainable_variables, expected, rtol=2e-2, atol=2e-3)
 
 
+def test_mixed_float16_keeps_the_scale_the_plain_step_keeps(rng):
+    # Backprop from S per example (not S / batch, as the plain step's mean) overflowed float16 where the
+    # plain step did not: the first steps were skipped while the scale fell.
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = rng.normal(size=(6, 5, 8)).astype("float32"), rng.integers(0, 3, (6, 5))
+    keras.utils.set_random_seed(7)
+    layers = [keras.layers.Dense(16, activation="gelu"), keras.layers.LayerNormalization()]
+    layers += [keras.layers.Conv1D(8, 3, padding="causal"), keras.layers.Dense(3, dtype="float32")]
+    model = keras.Sequential([keras.Input((5, 8)), *layers])
+    for options in ({}, dict(per_example_clip=0.5, noise_multiplier=0.0)):
+        step = effgrad.build_train_step(model, _LOSS, keras.optimizers.SGD(0.01), **options)
+        logs = [step(x, y) for _ in range(2)]
+        assert [(float(g["grads_finite"]), float(g["loss_scale"])) for g in logs] == [(1.0, 32768.0)] * 2, options
+
+
 def test_attach_trains_with_dp_sgd_like_the_step(rng):
     x, y = rng.normal(size=(12, 5)).astype("float32"), rng.integers(0, 3, 12)
     fitted, stepped = _mlp(), _mlp()

@@ -149,7 +149,7 @@ def clipped_gradients(
 
         l_i = sum over example i's loss elements of w * l     (per-token losses summed)
         forward once; every layer call with weights is tapped (effgrad.train.per_example)
-        backprop S * sum_i l_i to the taps only: each layer turns its input and output
+        backprop S / B * sum_i l_i to the taps only: each layer turns its input and output
             gradient into its share of |grad l_i|^2 and keeps what its clipped sum needs
             (the per-example gradient, or its two factors, whichever is smaller)
         c_i = min(1, C / |grad l_i|)
@@ -168,14 +168,17 @@ def clipped_gradients(
             with taps.recording(tape) as recorder:
                 y_pred, pending = forward(batch, sums.pending, facts, hook=recorder.hook)
             per_example = forward.objective.per_example(y, y_pred, sample_weight)
-        backward = recorder.backward(per_example, scale)
+        rows = tf.cast(tf.shape(per_example)[0], tf.float32)
+        # Backprop from S / rows per example: the magnitudes of a mean loss scaled by S, as the plain step
+        # has them (from S, a float16 backward would overflow where the plain step's does not).
+        seed = tf.cast(scale, tf.float32) / rows
+        backward = recorder.backward(per_example, seed)
         norms = backward.norms
         factors = tf.where(norms > bound, bound / norms, tf.ones_like(norms))
         # A non-finite norm (float16 overflow) stays non-finite in the gradient: the step is skipped.
         factors = tf.where(tf.math.is_finite(norms), factors, norms)
-        rows = tf.cast(tf.shape(per_example)[0], tf.float32)
-        # What the backward pass kept is scaled by S; multiplier(rows) carries S too: divide it once.
-        weights = factors * tf.cast(multiplier(rows), tf.float32) / tf.cast(scale, tf.float32)
+        # What the backward pass kept is scaled by the seed; multiplier(rows) carries S: divide it once.
+        weights = factors * tf.cast(multiplier(rows), tf.float32) / seed
         grads = backward.gradients(variables, weights)
         sums = Sums(sums.total + tf.reduce_sum(per_example), sums.normalizer + rows, pending, _sized(sums.noise, rows))
         if on_gradients is not None:
