@@ -57,3 +57,38 @@ def test_fit_update_equals_plain_fit_update(rng):
 def test_attach_needs_a_compiled_model():
     with pytest.raises(ValueError, match="compile"):
         effgrad.attach(mlp())
+
+
+def test_per_output_losses_are_logged_as_stock_keras_logs_them_with_uneven_micro_batches(rng):
+    # Keras weights each output's loss tracker by the batch's static size, unknown in a micro-batch.
+    x, classes, values = rng.normal(size=(10, 8)), rng.integers(0, 3, 10), rng.normal(size=(10, 2))
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="tanh")(inputs)
+        outputs = {"cls": keras.layers.Dense(3, name="cls")(h), "reg": keras.layers.Dense(2, name="reg")(h)}
+        built = keras.Model(inputs, outputs)
+        loss = {"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"}
+        built.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
+        return built
+
+    stock, ours = model(), effgrad.attach(model(), micro_batches=4)  # rows 3, 3, 3, 1
+    y = {"cls": classes, "reg": values}
+    expected, got = (m.train_on_batch(x, y, return_dict=True) for m in (stock, ours))
+    assert set(expected) <= set(got)
+    for name in expected:
+        np.testing.assert_allclose(float(got[name]), expected[name], rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("method", ["train_step", "compute_loss", "compute_metrics"])
+def test_a_model_class_with_its_own_train_step_code_is_refused_not_replaced(method):
+    def own(self, *args, **kwargs):
+        return getattr(keras.Model, method)(self, *args, **kwargs)
+
+    Subclassed = type("Subclassed", (keras.Model,), {method: own})
+    inputs = keras.Input((4,))
+    model = Subclassed(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match=method):
+        effgrad.attach(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import keras  # noqa: F401
+import tensorflow as tf
 
 from effgrad._compat.versions import missing as _missing
 
@@ -138,12 +139,32 @@ def recording_compiled_loss(loss, recorder):
     them.
     """
     original = loss._flat_losses
+    rows = []  # the rows of the output the last term was given
+    trackers = []
+
+    def counted(fn):
+        def term(y_true, y_pred, *args, **kwargs):
+            rows[:] = [tf.shape(tf.nest.flatten(y_pred)[0])[0]]
+            return fn(y_true, y_pred, *args, **kwargs)
+
+        return term
+
+    def by_rows(update):
+        # Keras weights each output's loss tracker by the batch's static size: unknown in a micro-batch
+        # (their number is a runtime value), so every micro-batch would weigh the same, uneven or not.
+        def update_state(values, sample_weight=None):
+            return update(values, sample_weight=rows[0] if sample_weight is None and rows else sample_weight)
+
+        return update_state
 
     def swap():
         loss._flat_losses = [
-            type(entry)(entry.path, recorder(entry.loss, entry.loss_weights), entry.loss_weights, entry.name)
+            type(entry)(entry.path, counted(recorder(entry.loss, entry.loss_weights)), entry.loss_weights, entry.name)
             for entry in loss._flat_losses
         ]
+        for metric in loss.metrics:
+            object.__setattr__(metric, "update_state", by_rows(metric.update_state))
+            trackers.append(metric)
 
     if loss.built:
         swap()
@@ -164,6 +185,8 @@ def recording_compiled_loss(loss, recorder):
     finally:
         loss.__dict__.pop("build", None)
         loss._flat_losses = original
+        for metric in trackers:
+            metric.__dict__.pop("update_state", None)
 
 
 def set_compiled_optimizer(model, optimizer) -> None:

@@ -48,6 +48,10 @@ def _keep_scale_state_in_optimizer(model) -> None:
     _compat.set_compiled_optimizer(model, keras.optimizers.LossScaleOptimizer(model.optimizer))
 
 
+# Keras's train-step code that effgrad's step replaces: a model class with its own is refused.
+_KERAS_STEP = ("train_step", "compute_loss", "compute_metrics")
+
+
 def attach(model: keras.Model, **step_options) -> keras.Model:
     """Makes ``model.fit`` train with an effgrad step (after ``model.compile``).
 
@@ -64,7 +68,8 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         4
 
     Args:
-        model: A compiled ``keras.Model`` with a single loss.
+        model: A compiled ``keras.Model`` whose class keeps Keras's own ``train_step``,
+            ``compute_loss`` and ``compute_metrics`` (effgrad's step replaces them).
         **step_options: Keyword options of :func:`effgrad.build_train_step`;
             ``reduction`` defaults to the compiled loss's, ``strategy`` to
             the model's, ``jit_compile`` to ``compile``'s.
@@ -85,6 +90,12 @@ def attach(model: keras.Model, **step_options) -> keras.Model:
         raise ValueError("attach() needs a compiled model: call model.compile(optimizer=..., loss=...) first.")
     if model.loss is None:
         raise ValueError("attach() needs a compiled loss: call model.compile(optimizer=..., loss=...) first.")
+    own = [m for m in _KERAS_STEP if getattr(type(model), m, None) is not getattr(keras.Model, m)]
+    if own:
+        raise TypeError(
+            f"attach() would replace {type(model).__name__}'s own {', '.join(own)} without running it: call an "
+            "effgrad.build_train_step step from your train_step instead, or put that code in the loss or a metric."
+        )
     if planned(step_options):
         return _attach_planned(model, step_options)
     return _attach(model, dict(step_options), forward=model)
