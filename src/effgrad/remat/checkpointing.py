@@ -127,6 +127,11 @@ def _closed_over(fn, inputs, ops=None) -> list[str]:
     return sorted(t.name if hasattr(t, "graph") else f"a tensor of shape {t.shape}" for t in closed)
 
 
+def _name(fn) -> str:
+    """What the messages call a checkpointed block: its layer name, its function name, or "the block"."""
+    return getattr(fn, "name", getattr(fn, "__name__", "the block"))
+
+
 def _contents(cell):
     try:
         return cell.cell_contents
@@ -137,7 +142,7 @@ def _contents(cell):
 def _refuse_closed_over(fn, closed: list[str]) -> None:
     if closed:
         raise ValueError(
-            f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'the block'))} reads {closed}, made "
+            f"effgrad.checkpoint: {_name(fn)} reads {closed}, made "
             "outside it from what the tape differentiates, which a checkpointed block cannot give a gradient: "
             "pass them as arguments."
         )
@@ -197,7 +202,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
         elif scope.losses:
             # Computed with the tapes paused, they would reach Keras's loss with no gradient.
             raise ValueError(
-                f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'the block'))} adds losses in "
+                f"effgrad.checkpoint: {_name(fn)} adds losses in "
                 "its call (an activity_regularizer or add_loss), which a checkpointed block cannot hand on with "
                 "their gradients: checkpoint the layers around it, or make the term part of the loss."
             )
@@ -209,7 +214,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
             # and stored another, and the variables were never watched: the
             # outputs and gradients would both be wrong.
             raise ValueError(
-                f"effgrad.checkpoint: {getattr(fn, 'name', 'the function')} created variables inside a "
+                f"effgrad.checkpoint: {_name(fn)} created variables inside a "
                 f"checkpointed call ({sorted({v.name for v in created})}): a layer that was not built yet. "
                 "Build the layers before checkpointing them (call the function once without effgrad.checkpoint, or "
                 "layer.build(input_shape)), or wrap the layer itself: effgrad.Checkpoint(layer)."
@@ -288,7 +293,7 @@ def _call_with_recompute(fn: Callable, args: tuple, kwargs: dict):
         flat_out = forward(*[tf.convert_to_tensor(flat[i]) for i in positions])
     except _NotReplayable as drawn:  # nothing was written: the block runs as it is, its activations kept
         warnings.warn(
-            f"effgrad.checkpoint: {getattr(fn, 'name', getattr(fn, '__name__', 'a block'))} draws random numbers "
+            f"effgrad.checkpoint: {_name(fn)} draws random numbers "
             f"with TensorFlow's stateful ops ({drawn}), which a recompute cannot replay: it runs without "
             "checkpointing (its activations are kept). Draw them with keras.random and a "
             "keras.random.SeedGenerator to checkpoint it.",
